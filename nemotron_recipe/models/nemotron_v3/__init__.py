@@ -1,0 +1,14 @@
+"""Nemotron-H (Nemotron 2 hybrid and Nemotron 3 MoE) models: config, native model, checkpoints."""
+
+from .checkpoint import CheckpointError
+from .config import PRESETS, ModelConfigError, NemotronHConfig
+from .model import CausalLMOutput, NemotronHForCausalLM
+
+__all__ = [
+    "PRESETS",
+    "CausalLMOutput",
+    "CheckpointError",
+    "ModelConfigError",
+    "NemotronHConfig",
+    "NemotronHForCausalLM",
+]

@@ -1,0 +1,221 @@
+"""Hugging Face checkpoints <-> the native model.
+
+Two layouts exist in the wild, and both load:
+- released checkpoints and what `transformers` 5.x `save_pretrained` writes: `backbone.*`, one
+  `experts.{e}.up_proj.weight` per routed expert;
+- `transformers`' in-memory layout: `model.*`, experts stacked in `experts.up_proj` [E, I, D].
+Export writes the released layout, which both `transformers` and the remote-code model read.
+
+The native model differs from both only in the order of the Mamba2 `in_proj` rows and `conv1d`
+channels (group-major, see model.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+
+import torch
+
+from .config import NemotronHConfig
+
+SAFE_SINGLE = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model it is loaded into; names the file and the mismatch."""
+
+
+# ------------------------------------------------------------------------------- Mamba2 layout
+def mamba_in_proj_order(cfg: NemotronHConfig) -> torch.Tensor:
+    """For each native (group-major) `in_proj` row, the Hugging Face row it comes from."""
+    g, r, p, n = cfg.n_groups, cfg.mamba_heads_per_group, cfg.mamba_head_dim, cfg.ssm_state_size
+    d_inner, gn = g * r * p, g * n
+    z0, x0, b0, c0, dt0 = 0, d_inner, 2 * d_inner, 2 * d_inner + gn, 2 * d_inner + 2 * gn
+    rows = []
+    for k in range(g):
+        rows += [
+            torch.arange(z0 + k * r * p, z0 + (k + 1) * r * p),
+            torch.arange(x0 + k * r * p, x0 + (k + 1) * r * p),
+            torch.arange(b0 + k * n, b0 + (k + 1) * n),
+            torch.arange(c0 + k * n, c0 + (k + 1) * n),
+            torch.arange(dt0 + k * r, dt0 + (k + 1) * r),
+        ]
+    return torch.cat(rows)
+
+
+def mamba_conv_order(cfg: NemotronHConfig) -> torch.Tensor:
+    """For each native `conv1d` channel, the Hugging Face channel it comes from."""
+    g, r, p, n = cfg.n_groups, cfg.mamba_heads_per_group, cfg.mamba_head_dim, cfg.ssm_state_size
+    d_inner, gn = g * r * p, g * n
+    rows = []
+    for k in range(g):
+        rows += [
+            torch.arange(k * r * p, (k + 1) * r * p),
+            torch.arange(d_inner + k * n, d_inner + (k + 1) * n),
+            torch.arange(d_inner + gn + k * n, d_inner + gn + (k + 1) * n),
+        ]
+    return torch.cat(rows)
+
+
+def _mamba_reorders(cfg: NemotronHConfig) -> dict[str, torch.Tensor]:
+    conv = mamba_conv_order(cfg)
+    return {"in_proj.weight": mamba_in_proj_order(cfg), "in_proj.bias": mamba_in_proj_order(cfg),
+            "conv1d.weight": conv, "conv1d.bias": conv}
+
+
+# ------------------------------------------------------------------------------- state dicts
+def hf_to_native(state: dict[str, torch.Tensor], cfg: NemotronHConfig) -> dict[str, torch.Tensor]:
+    """Rename and reorder a Hugging Face state dict (either layout) into native names and order."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    reorders = _mamba_reorders(cfg)
+    for key, value in state.items():
+        if key.startswith("backbone."):
+            key = "model." + key[len("backbone."):]
+        if key.startswith("mtp."):
+            continue  # multi-token-prediction heads are not used for fine-tuning
+        m = _EXPERT.match(key)
+        if m:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = value
+            continue
+        parts = key.split(".")
+        if len(parts) > 4 and parts[1] == "layers" and parts[3] == "mixer":
+            block = cfg.block_types[int(parts[2])] if int(parts[2]) < cfg.num_layers else None
+            suffix = ".".join(parts[4:])
+            if block == "mamba" and suffix in reorders:
+                value = value[reorders[suffix]]
+        out[key] = value
+    for prefix, per_expert in experts.items():
+        for proj in ("up_proj", "down_proj"):
+            missing = [e for e in range(cfg.n_routed_experts) if proj not in per_expert.get(e, {})]
+            if missing:
+                raise CheckpointError(f"{prefix}: {proj} missing for experts {missing[:8]}")
+            out[f"{prefix}.{proj}"] = torch.stack([per_expert[e][proj] for e in range(cfg.n_routed_experts)])
+    return out
+
+
+def native_to_hf(state: dict[str, torch.Tensor], cfg: NemotronHConfig) -> dict[str, torch.Tensor]:
+    """Native state dict -> the released layout (`backbone.*`, one tensor per expert)."""
+    reorders = {k: torch.argsort(v) for k, v in _mamba_reorders(cfg).items()}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        parts = key.split(".")
+        if len(parts) > 4 and parts[1] == "layers" and parts[3] == "mixer":
+            suffix = ".".join(parts[4:])
+            block = cfg.block_types[int(parts[2])]
+            if block == "mamba" and suffix in reorders:
+                value = value[reorders[suffix]]
+            if block == "moe" and suffix in ("experts.up_proj", "experts.down_proj"):
+                base = "backbone." + ".".join(parts[1:-1])
+                for e in range(value.shape[0]):
+                    out[f"{base}.{e}.{parts[-1]}.weight"] = value[e].contiguous()
+                continue
+        if key.startswith("model."):
+            key = "backbone." + key[len("model."):]
+        out[key] = value.contiguous()
+    return out
+
+
+# ------------------------------------------------------------------------------- files
+def safetensors_files(path: str) -> list[str]:
+    """The safetensors files of a Hugging Face directory (single file or sharded index)."""
+    index = os.path.join(path, SAFE_INDEX)
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, n) for n in names]
+    elif os.path.exists(os.path.join(path, SAFE_SINGLE)):
+        files = [os.path.join(path, SAFE_SINGLE)]
+    else:
+        found = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) if os.path.isdir(path) else []
+        if not found:
+            raise CheckpointError(
+                f"{path}: no {SAFE_SINGLE}, {SAFE_INDEX} or other .safetensors file; "
+                "point at a Hugging Face model directory"
+            )
+        files = [os.path.join(path, n) for n in found]
+    missing = [f for f in files if not os.path.exists(f)]
+    if missing:
+        raise CheckpointError(f"{path}: the index names files that do not exist: {missing}")
+    return files
+
+
+def read_safetensors(files: Iterable[str]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+def load_pretrained(cls, path: str, **config_overrides):
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: not a directory; expected a Hugging Face model directory")
+    cfg = NemotronHConfig.from_hf(path)
+    if config_overrides:
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, **config_overrides)
+    model = cls(cfg)
+    load_hf_weights(model, path)
+    return model
+
+
+def load_hf_weights(model, path: str) -> None:
+    """Copy a Hugging Face checkpoint's tensors into `model` (unsharded), checking names and shapes."""
+    state = hf_to_native(read_safetensors(safetensors_files(path)), model.config)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: does not match the model built from its config.json: "
+            f"missing {missing[:6]}{' ...' if len(missing) > 6 else ''}, "
+            f"unexpected {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}"
+        )
+    bad = [(k, tuple(state[k].shape), tuple(v.shape)) for k, v in expected.items() if state[k].shape != v.shape]
+    if bad:
+        raise CheckpointError(f"{path}: tensor shapes differ from the model's (name, file, model): {bad[:6]}")
+    with torch.no_grad():
+        for k, v in expected.items():
+            v.copy_(state[k])
+
+
+def save_pretrained(model, path: str, max_shard_bytes: int = 4 << 30) -> None:
+    """Write config.json and safetensors (sharded with an index past `max_shard_bytes`)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    state = native_to_hf({k: v.detach().cpu() for k, v in model.state_dict().items()}, model.config)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in state.items():
+        nbytes = v.numel() * v.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, SAFE_SINGLE), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, name))
+        total = sum(v.numel() * v.element_size() for v in state.values())
+        with open(os.path.join(path, SAFE_INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    dtype = next(iter(state.values())).dtype
+    hf_config = model.config.to_hf_dict()
+    hf_config["dtype"] = str(dtype).removeprefix("torch.")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2)

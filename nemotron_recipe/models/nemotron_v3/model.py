@@ -1,0 +1,344 @@
+"""Nemotron-H in plain PyTorch: Mamba2, attention, MLP and MoE blocks in one residual stack.
+
+Every block is `x + mixer(norm(x))`. Mixers read their head and group counts from the tensors they
+receive, never from the config, so a tensor- or context-parallel rank runs the same code on its own
+slice of heads and groups.
+
+The Mamba2 input projection and convolution are stored group-major: the rows of `in_proj` are
+[z_g | x_g | B_g | C_g | dt_g] for each group g in turn (and the conv channels [x_g | B_g | C_g]),
+where Hugging Face checkpoints store [z | x | B | C | dt] for all heads at once. With groups
+contiguous, a plain row split of `in_proj` hands each tensor-parallel rank exactly its own groups;
+`checkpoint.py` converts between the two layouts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .config import NemotronHConfig
+from .ssd import discretize_dt, ssd_chunked
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a tensor-parallel parameter (the tensor itself when not distributed)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _KeepFP32:
+    """Parameters named in `fp32_params` follow `.to(device)` but never a dtype cast: the SSM decay
+    and skip terms and the router lose routing and stability in bf16."""
+
+    fp32_params: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        keep = {id(getattr(self, name)) for name in self.fp32_params}
+
+        def fn_keep_dtype(t):
+            out = fn(t)
+            if id(t) in keep and out.dtype != t.dtype:
+                return t.to(device=out.device)
+            return out
+
+        return super()._apply(fn_keep_dtype, recurse)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)
+
+
+class GatedGroupRMSNorm(nn.Module):
+    """rmsnorm_per_group(y * silu(z)) * weight; groups never straddle tensor-parallel ranks."""
+
+    def __init__(self, dim: int, group_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = y.dtype
+        h = y.float() * F.silu(z.float())
+        h = h.unflatten(-1, (-1, self.group_size))
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        return local(self.weight) * h.to(dtype)
+
+
+class Mamba2Mixer(_KeepFP32, nn.Module):
+    fp32_params = ("A_log", "D", "dt_bias")
+
+    def __init__(self, config: NemotronHConfig):
+        super().__init__()
+        h, p, g, n = config.mamba_num_heads, config.mamba_head_dim, config.n_groups, config.ssm_state_size
+        self.head_dim, self.state_size = p, n
+        self.heads_per_group = h // g
+        self.d_group = self.heads_per_group * p
+        self.conv_group = self.d_group + 2 * n
+        self.chunk_size = config.chunk_size
+        self.dt_min = config.time_step_min
+
+        self.in_proj = nn.Linear(config.hidden_size, g * (self.d_group + self.conv_group + self.heads_per_group),
+                                 bias=config.use_bias)
+        self.conv1d = nn.Conv1d(g * self.conv_group, g * self.conv_group, config.conv_kernel,
+                                groups=g * self.conv_group, bias=config.use_conv_bias)
+        self.A_log = nn.Parameter(torch.empty(h, dtype=torch.float32))
+        self.D = nn.Parameter(torch.empty(h, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(h, dtype=torch.float32))
+        self.norm = GatedGroupRMSNorm(h * p, self.d_group, config.layer_norm_epsilon)
+        self.out_proj = nn.Linear(h * p, config.hidden_size, bias=config.use_bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        zxbcdt = self.in_proj(hidden).unflatten(-1, (-1, self.d_group + self.conv_group + self.heads_per_group))
+        z, xbc, dt = zxbcdt.split([self.d_group, self.conv_group, self.heads_per_group], dim=-1)
+        y = self.conv_and_scan(xbc, dt)
+        y = self.norm(y.flatten(-2), z.flatten(-2))
+        return self.out_proj(y)
+
+    def conv_and_scan(
+        self, xbc: torch.Tensor, dt: torch.Tensor, groups: slice = slice(None)
+    ) -> torch.Tensor:
+        """xbc [b,l,g,conv_group], dt [b,l,g,r] for the groups `groups` of this rank's parameters
+        (all of them unless context parallel splits them) -> y [b,l,g,d_group]."""
+        b, l, g, _ = xbc.shape
+        r = self.heads_per_group
+        weight = local(self.conv1d.weight).unflatten(0, (-1, self.conv_group))[groups].flatten(0, 1)
+        bias = self.conv1d.bias
+        if bias is not None:
+            bias = local(bias).unflatten(0, (-1, self.conv_group))[groups].flatten(0, 1)
+        heads = slice(None) if groups == slice(None) else slice(groups.start * r, groups.stop * r)
+
+        # Causal depthwise convolution: pad on the left only so no step sees the future.
+        xbc = F.conv1d(F.pad(xbc.flatten(2).transpose(1, 2), (weight.shape[-1] - 1, 0)),
+                       weight.to(xbc.dtype), None if bias is None else bias.to(xbc.dtype), groups=weight.shape[0])
+        xbc = F.silu(xbc).transpose(1, 2).unflatten(-1, (g, self.conv_group))
+        x, B, C = xbc.split([self.d_group, self.state_size, self.state_size], dim=-1)
+
+        A = -torch.exp(local(self.A_log)[heads].float())
+        dt = discretize_dt(dt.flatten(2), local(self.dt_bias)[heads], self.dt_min)
+        y = ssd_chunked(x.unflatten(-1, (r, self.head_dim)).flatten(2, 3), dt, A, B, C,
+                        local(self.D)[heads], self.chunk_size)
+        return y.to(xbc.dtype).unflatten(2, (g, r)).flatten(-2)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention without positional encoding (NoPE)."""
+
+    def __init__(self, config: NemotronHConfig):
+        super().__init__()
+        d, hd = config.hidden_size, config.head_dim
+        self.head_dim = hd
+        self.q_proj = nn.Linear(d, config.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, config.num_key_value_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, config.num_key_value_heads * hd, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * hd, d, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = (proj(hidden).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        out = self.attend(q, k, v)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [b,hq,l,d], k/v [b,hkv,l,d]; context parallel replaces this with its distributed version."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class MLP(nn.Module):
+    """down(relu(up(x))^2): squared ReLU, not gated."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class Router(_KeepFP32, nn.Module):
+    """Sigmoid scores; experts chosen with a load-balancing bias, weighted by the unbiased scores.
+
+    Group-limited routing: a token first keeps the `topk_group` expert groups whose two best biased
+    scores sum highest, then takes its top-k experts inside them.
+    """
+
+    fp32_params = ("weight",)
+
+    def __init__(self, config: NemotronHConfig):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.norm_topk_prob = config.norm_topk_prob
+        self.scaling = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [t, d] -> (weights [t, k] fp32, expert indices [t, k])."""
+        scores = F.linear(x.float(), local(self.weight).float()).sigmoid()
+        biased = scores + local(self.e_score_correction_bias)
+        if self.n_group > 1:
+            per_group = biased.unflatten(-1, (self.n_group, -1))
+            group_score = per_group.topk(2, dim=-1).values.sum(-1)
+            kept = torch.zeros_like(group_score, dtype=torch.bool)
+            kept.scatter_(1, group_score.topk(self.topk_group, dim=-1).indices, True)
+            biased = per_group.masked_fill(~kept[..., None], float("-inf")).flatten(1)
+        idx = biased.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, idx
+
+
+class Experts(nn.Module):
+    """Routed ReLU^2 experts stored as stacked weights: up [E, I, D], down [E, D, I]."""
+
+    def __init__(self, config: NemotronHConfig):
+        super().__init__()
+        e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.up_proj = nn.Parameter(torch.empty(e, i, d))
+        self.down_proj = nn.Parameter(torch.empty(e, d, i))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """x [t, d]; each token's rows sorted by expert so every expert runs one dense matmul."""
+        up, down = local(self.up_proj), local(self.down_proj)
+        flat_idx = idx.flatten()
+        order = flat_idx.argsort(stable=True)
+        token = order // idx.shape[1]
+        counts = torch.bincount(flat_idx, minlength=up.shape[0]).tolist()
+        outs = []
+        for e, rows in enumerate(x[token].split(counts)):
+            if counts[e]:
+                outs.append(F.linear(F.relu(F.linear(rows, up[e])).square(), down[e]))
+        routed = torch.cat(outs) * weights.flatten()[order, None]
+        return torch.zeros(x.shape, dtype=routed.dtype, device=x.device).index_add_(0, token, routed).to(x.dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: NemotronHConfig):
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = Experts(config)
+        self.shared_experts = MLP(config.hidden_size, config.moe_shared_expert_intermediate_size, config.mlp_bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        tokens = hidden.flatten(0, -2)
+        weights, idx = self.gate(tokens)
+        routed = self.experts(tokens, weights, idx).view_as(hidden)
+        return routed + self.shared_experts(hidden)
+
+
+_MIXERS = {"mamba": Mamba2Mixer, "attention": Attention, "moe": MoE}
+
+
+class Block(nn.Module):
+    def __init__(self, config: NemotronHConfig, block_type: str):
+        super().__init__()
+        self.block_type = block_type
+        self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        if block_type == "mlp":
+            self.mixer = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        else:
+            self.mixer = _MIXERS[block_type](config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mixer(self.norm(x))
+
+
+class NemotronHModel(nn.Module):
+    def __init__(self, config: NemotronHConfig):
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, kind) for kind in config.block_types)
+        self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embeddings(input_ids)
+        for block in self.layers:
+            h = block(h)
+        return self.norm_f(h)
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+
+
+class NemotronHForCausalLM(nn.Module):
+    def __init__(self, config: NemotronHConfig):
+        super().__init__()
+        self.config = config
+        self.model = NemotronHModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> CausalLMOutput:
+        """`labels` as in Hugging Face: aligned with `input_ids`, shifted here, -100 ignored."""
+        logits = self.lm_head(self.model(input_ids)).float()
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutput(logits=logits, loss=loss)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise every weight from the current torch RNG state, in module order, so one seed gives
+        the same model on every rank whatever the mesh."""
+        cfg = self.config
+        std = cfg.initializer_range
+        # Residual-branch outputs shrink with depth so the stream's variance stays bounded at init.
+        out_std = std / math.sqrt(cfg.num_layers) if cfg.rescale_prenorm_residual else std
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                is_out = name.endswith(("out_proj", "o_proj", "down_proj"))
+                nn.init.normal_(module.weight, std=out_std if is_out else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, nn.Conv1d):
+                module.reset_parameters()
+            elif isinstance(module, (RMSNorm, GatedGroupRMSNorm)):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, Router):
+                nn.init.normal_(module.weight, std=std)
+                module.e_score_correction_bias.zero_()
+            elif isinstance(module, Experts):
+                nn.init.normal_(module.up_proj, std=std)
+                nn.init.normal_(module.down_proj, std=out_std)
+            elif isinstance(module, Mamba2Mixer):
+                heads = module.A_log.numel()
+                module.A_log.copy_(torch.log(torch.arange(1, heads + 1, dtype=torch.float32)))
+                module.D.fill_(1.0)
+                # dt log-uniform in [time_step_min, time_step_max]; dt_bias is its softplus inverse.
+                lo, hi = math.log(cfg.time_step_min), math.log(cfg.time_step_max)
+                dt = torch.exp(torch.rand(heads) * (hi - lo) + lo).clamp(min=cfg.time_step_floor)
+                module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    @classmethod
+    def from_pretrained(cls, path: str, **config_overrides) -> NemotronHForCausalLM:
+        from .checkpoint import load_pretrained
+
+        return load_pretrained(cls, path, **config_overrides)
+
+    def save_pretrained(self, path: str) -> None:
+        from .checkpoint import save_pretrained
+
+        save_pretrained(self, path)

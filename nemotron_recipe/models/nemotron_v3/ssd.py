@@ -1,0 +1,109 @@
+"""The Mamba2 state-space scan in plain PyTorch: the chunked SSD algorithm and a naive reference.
+
+Shapes: b batch, l sequence, h heads, p head dim, g groups (h = g * r heads per group), n state.
+Each head shares the B and C of its group, so the scan keeps the group axis instead of repeating B and
+C over heads: C·B is computed once per group rather than once per head.
+
+The recurrence, per head, with dt already softplus'ed:
+    state_t = exp(dt_t * A) * state_{t-1} + dt_t * outer(x_t, B_t)
+    y_t     = state_t @ C_t + D * x_t
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_min: float) -> torch.Tensor:
+    """softplus(dt + bias), floored at `dt_min` (the released models' time-step limit), in fp32."""
+    return F.softplus(dt.float() + dt_bias.float()).clamp(min=dt_min)
+
+
+def ssd_chunked(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    chunk_size: int,
+) -> torch.Tensor:
+    """x [b,l,h,p], dt [b,l,h] (discretized), A [h] (negative), B/C [b,l,g,n], D [h] -> y [b,l,h,p] fp32."""
+    b, l, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    r = h // g
+    q = chunk_size
+    pad = (-l) % q
+    c = (l + pad) // q
+
+    x, dt, B, C = x.float(), dt.float(), B.float(), C.float()
+    D_term = x * D.float()[:, None]
+    if pad:
+        # Zero dt on padded steps keeps the state unchanged, and their outputs are cut off below.
+        x = F.pad(x, (0, 0, 0, 0, 0, pad))
+        dt = F.pad(dt, (0, 0, 0, pad))
+        B = F.pad(B, (0, 0, 0, 0, 0, pad))
+        C = F.pad(C, (0, 0, 0, 0, 0, pad))
+
+    x = x.view(b, c, q, g, r, p)
+    dt = dt.view(b, c, q, g, r)
+    B = B.view(b, c, q, g, n)
+    C = C.view(b, c, q, g, n)
+    xdt = x * dt[..., None]
+
+    # Cumulative log-decay inside each chunk, heads last for the [q, q] decay matrices.
+    a = (dt * A.float().view(g, r)).permute(0, 1, 3, 4, 2)  # [b,c,g,r,q]
+    a_cum = a.cumsum(-1)
+
+    # 1. Within each chunk: a causal, decay-weighted "attention" of C over B.
+    seg = a_cum[..., :, None] - a_cum[..., None, :]  # [b,c,g,r,q(i),q(j)] = sum of a over (j, i]
+    causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
+    decay = torch.exp(seg.masked_fill(~causal, float("-inf")))
+    scores = torch.einsum("bcign,bcjgn->bcgij", C, B)[:, :, :, None] * decay  # [b,c,g,r,i,j]
+    y = torch.einsum("bcgrij,bcjgrp->bcigrp", scores, xdt)
+
+    # 2. Each chunk's contribution to the state at its end.
+    decay_to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [b,c,g,r,q]
+    xdt_to_end = xdt * decay_to_end.permute(0, 1, 4, 2, 3)[..., None]
+    chunk_states = torch.einsum("bcjgn,bcjgrp->bcgrpn", B, xdt_to_end)
+
+    # 3. Carry states across chunks: a short sequential recurrence over c chunk boundaries.
+    chunk_decay = torch.exp(a_cum[..., -1])  # [b,c,g,r]
+    state = torch.zeros_like(chunk_states[:, 0])
+    states_in = []
+    for k in range(c):
+        states_in.append(state)
+        state = state * chunk_decay[:, k, ..., None, None] + chunk_states[:, k]
+    prev = torch.stack(states_in, dim=1)  # state entering each chunk [b,c,g,r,p,n]
+
+    # 4. The carried-in state's contribution to every position of the chunk.
+    y_prev = torch.einsum("bcign,bcgrpn->bcigrp", C, prev)
+    y = y + y_prev * torch.exp(a_cum).permute(0, 1, 4, 2, 3)[..., None]
+
+    y = y.reshape(b, c * q, h, p)[:, :l]
+    return y + D_term
+
+
+def ssd_naive(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+) -> torch.Tensor:
+    """Step-by-step recurrence, the definition the chunked scan must reproduce (tests only)."""
+    b, l, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    r = h // g
+    x, dt, A, D = x.double(), dt.double(), A.double(), D.double()
+    B = B.double().repeat_interleave(r, dim=2)
+    C = C.double().repeat_interleave(r, dim=2)
+    state = torch.zeros(b, h, p, n, dtype=torch.float64, device=x.device)
+    ys = []
+    for t in range(l):
+        decay = torch.exp(dt[:, t] * A)[..., None, None]
+        state = state * decay + (dt[:, t, :, None, None] * x[:, t, :, :, None] * B[:, t, :, None, :])
+        ys.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t]) + D[:, None] * x[:, t])
+    return torch.stack(ys, dim=1)
