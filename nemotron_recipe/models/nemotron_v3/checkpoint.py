@@ -158,6 +158,8 @@ def read_safetensors(files: Iterable[str]) -> dict[str, torch.Tensor]:
 def load_pretrained(cls, path: str, **config_overrides):
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a directory; expected a Hugging Face model directory")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise CheckpointError(f"{path}: no config.json; expected a Hugging Face model directory")
     cfg = NemotronHConfig.from_hf(path)
     if config_overrides:
         import dataclasses
