@@ -1,0 +1,153 @@
+"""Runs under torchrun: trains the same model on several meshes and on one process, and writes
+the per-step losses and step-1 gradients of each to a JSON file for the tests to compare.
+
+    torchrun --standalone --nproc-per-node N tests/distributed/parity_worker.py OUT.json CASE [CASE ...]
+
+A CASE is `dp_replicate,dp_shard,cp,tp,sp,ac,dtype[,model]`, e.g. `1,2,1,1,0,none,fp32`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from nemotron_recipe.distributed import build_mesh
+from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.models.nemotron_v3.parallelization import PARALLELIZER
+
+STEPS = 5
+GLOBAL_BATCH = 4
+SEQ_LEN = 24  # not a power of two; divisible by 2 * cp * tp for every case here
+CFG = NemotronHConfig(
+    pattern="M*-EM-", vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    intermediate_size=64, mamba_num_heads=8, mamba_head_dim=8, n_groups=4, ssm_state_size=8, chunk_size=8,
+    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24,
+    n_group=2, topk_group=1, routed_scaling_factor=2.5,
+)
+
+
+def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    ids = torch.randint(0, CFG.vocab_size, (STEPS, GLOBAL_BATCH, SEQ_LEN), generator=g)
+    targets = torch.randint(0, CFG.vocab_size, (STEPS, GLOBAL_BATCH, SEQ_LEN), generator=g)
+    # Untrained positions, unevenly spread over samples, so ranks hold different token counts.
+    targets[torch.rand(targets.shape, generator=g) < 0.3] = -100
+    targets[:, 0, : SEQ_LEN // 2] = -100
+    return ids, targets
+
+
+def build_model(name: str):
+    torch.manual_seed(0)
+    if name == "hf":
+        import transformers
+
+        hf_cfg = transformers.NemotronHConfig(**{**CFG.to_hf_dict(), "use_mamba_kernels": False})
+        return transformers.NemotronHForCausalLM(hf_cfg).float()
+    return NemotronHForCausalLM(CFG)
+
+
+def token_loss_sum(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum")
+
+
+def clean_name(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def tp_fraction(p: torch.Tensor, tp: int) -> float:
+    """The share of a parameter a rank holds because of tensor parallel (FSDP shards excluded)."""
+    names = p.device_mesh.mesh_dim_names or () if isinstance(p, DTensor) else ()
+    if "tp" in names and p.placements[names.index("tp")].is_shard():
+        return 1 / tp
+    return 1.0
+
+
+def train(model, ids, targets, *, dp_rank=0, dp_size=1, dp_group=None):
+    """Five AdamW steps; the loss of a step is its global token-loss sum over the global token count."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    per_rank = GLOBAL_BATCH // dp_size
+    losses, grads = [], {}
+    for step in range(STEPS):
+        x = ids[step, dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        y = targets[step, dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        count = (y != -100).sum().float()
+        if dp_group is not None:
+            dist.all_reduce(count, group=dp_group)
+        logits = model(x).logits
+        if isinstance(logits, DTensor):
+            with loss_parallel():
+                loss_sum = token_loss_sum(logits, y)
+                (loss_sum / count).backward()
+            loss_sum = loss_sum.full_tensor()
+        else:
+            loss_sum = token_loss_sum(logits, y)
+            (loss_sum / count).backward()
+        loss_sum = loss_sum.detach().clone()
+        if dp_group is not None:
+            dist.all_reduce(loss_sum, group=dp_group)
+        losses.append((loss_sum / count).item())
+        if step == 0:
+            grads = {clean_name(n): full(p.grad).detach().float().clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
+def main() -> None:
+    out_path, cases = sys.argv[1], sys.argv[2:]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ids, targets = make_batch()
+    results = {}
+    references = {}
+    for case in cases:
+        fields = case.split(",")
+        rep, shard, cp, tp, sp, ac, dtype = fields[:7]
+        model_name = fields[7] if len(fields) > 7 else "native"
+        if model_name not in references and rank == 0:
+            references[model_name] = train(build_model(model_name), ids, targets)
+        mesh_cfg = SimpleNamespace(dp_replicate=int(rep), dp_shard=int(shard), cp=int(cp), tp=int(tp),
+                                   sequence_parallel=sp == "1")
+        mesh = build_mesh(mesh_cfg, world)
+        model = build_model(model_name)
+        fsdp_cfg = SimpleNamespace(param_dtype=dtype, reduce_dtype="fp32", offload=False, reshard_after_forward=None)
+        PARALLELIZER.parallelize(
+            model, mesh, fsdp_cfg=fsdp_cfg, sequence_parallel=mesh_cfg.sequence_parallel, ac_mode=ac,
+            tp_shard_plan="mlp" if model_name == "hf" else None,
+        )
+        dp = mesh["dp"]
+        losses, grads = train(model, ids, targets, dp_rank=dp.get_local_rank(), dp_size=dp.size(),
+                              dp_group=dp.get_group())
+        # Fraction of each block's parameters this rank holds under tensor parallel (FSDP excluded).
+        held = {
+            f"{i}:{CFG.block_types[i]}": sum(p.numel() * tp_fraction(p, int(tp)) for p in block.parameters())
+            / sum(p.numel() for p in block.parameters())
+            for i, block in enumerate(model.model.layers)
+        }
+        if rank == 0:
+            ref_losses, ref_grads = references[model_name]
+            errs = {name: ((grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
+                    for name, g in ref_grads.items()}
+            results[case] = {"losses": losses, "ref_losses": ref_losses, "grad_rel_err": errs,
+                             "missing_grads": sorted(set(ref_grads) - set(grads)), "tp_held_fraction": held}
+        dist.barrier()
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
