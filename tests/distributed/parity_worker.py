@@ -3,7 +3,8 @@ the per-step losses and step-1 gradients of each to a JSON file for the tests to
 
     torchrun --standalone --nproc-per-node N tests/distributed/parity_worker.py OUT.json CASE [CASE ...]
 
-A CASE is `dp_replicate,dp_shard,cp,tp,sp,ac,dtype[,model]`, e.g. `1,2,1,1,0,none,fp32`.
+A CASE is `dp_replicate,dp_shard,cp,tp,sp,ac,dtype[,model]`, e.g. `1,2,1,1,0,none,fp32`; dtype is
+fp32, bf16 or bf16_offload (CPU-offloaded parameters); model is native (default) or hf (`transformers`).
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def main() -> None:
                                    sequence_parallel=sp == "1")
         mesh = build_mesh(mesh_cfg, world)
         model = build_model(model_name)
-        fsdp_cfg = SimpleNamespace(param_dtype=dtype, reduce_dtype="fp32", offload=False, reshard_after_forward=None)
+        fsdp_cfg = SimpleNamespace(param_dtype=dtype.removesuffix("_offload"), reduce_dtype="fp32",
+                                   offload=dtype.endswith("_offload"), reshard_after_forward=None)
         PARALLELIZER.parallelize(
             model, mesh, fsdp_cfg=fsdp_cfg, sequence_parallel=mesh_cfg.sequence_parallel, ac_mode=ac,
             tp_shard_plan="mlp" if model_name == "hf" else None,

@@ -1,0 +1,197 @@
+"""The parallelizer against a single-process run: losses of five steps and step-1 gradients.
+
+Each torchrun job trains the same seeded model on several meshes in turn (tests/distributed/
+parity_worker.py); the single-process reference runs inside the same job on rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from nemotron_recipe.distributed import MeshError, ParallelConfigError, resolve_mesh_shape
+from nemotron_recipe.models.nemotron_v3 import PRESETS, NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.models.nemotron_v3.parallelization import (
+    PARALLELIZER,
+    _decoder_blocks,
+    check_tensor_parallel,
+)
+
+WORKER = Path(__file__).parent / "distributed" / "parity_worker.py"
+FP32_LOSS_RTOL = 1e-5
+FP32_GRAD_RTOL = 1e-4  # max |g - g_ref| / max |g_ref| per parameter, after step 1
+BF16_LOSS_RTOL = 2e-2
+BF16_GRAD_RTOL = 1e-1
+
+
+def torchrun(nproc: int, out: Path, cases: list[str], timeout: int = 600) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(WORKER), str(out), *cases]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return json.loads(out.read_text())
+
+
+def check_case(result: dict, dtype: str) -> None:
+    loss_tol, grad_tol = (FP32_LOSS_RTOL, FP32_GRAD_RTOL) if dtype == "fp32" else (BF16_LOSS_RTOL, BF16_GRAD_RTOL)
+    for step, (loss, ref) in enumerate(zip(result["losses"], result["ref_losses"])):
+        assert abs(loss - ref) <= loss_tol * abs(ref), f"step {step}: {loss} vs single process {ref}"
+    assert not result["missing_grads"]
+    worst = max(result["grad_rel_err"].items(), key=lambda kv: kv[1])
+    assert worst[1] <= grad_tol, f"gradient of {worst[0]} differs by {worst[1]:.2e} (relative)"
+
+
+TWO_RANK_CASES = [
+    # dp_replicate, dp_shard, cp, tp, sequence_parallel, ac, dtype
+    "1,2,1,1,0,none,fp32",  # FSDP 2
+    "1,2,1,1,0,blocks,fp32",
+    "1,1,1,2,0,none,fp32",  # TP 2
+    "1,1,1,2,0,blocks,fp32",
+    "1,1,1,2,1,none,fp32",  # TP 2 + SP
+    "1,1,1,2,1,blocks,fp32",
+    "1,1,1,2,1,full,fp32",
+    "1,2,1,1,0,selective,bf16",
+    "1,1,1,2,1,none,bf16_offload",
+]
+FOUR_RANK_CASES = [
+    "1,2,1,2,0,none,fp32",  # FSDP 2 x TP 2
+    "1,2,1,2,0,blocks,fp32",
+    "2,2,1,1,0,none,fp32",  # HSDP 2 x 2
+    "2,2,1,1,0,blocks,fp32",
+    "1,2,1,2,1,blocks,bf16",  # FSDP 2 x TP 2 + SP, bf16
+    "1,2,1,2,0,none,fp32,hf",  # transformers' NemotronH, reference plan
+]
+
+
+@pytest.fixture(scope="module")
+def two_rank(tmp_path_factory):
+    return torchrun(2, tmp_path_factory.mktemp("tp") / "out.json", TWO_RANK_CASES)
+
+
+@pytest.fixture(scope="module")
+def four_rank(tmp_path_factory):
+    return torchrun(4, tmp_path_factory.mktemp("tp") / "out.json", FOUR_RANK_CASES)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", TWO_RANK_CASES)
+def test_two_ranks_match_single_process(two_rank, case):
+    check_case(two_rank[case], case.split(",")[6].removesuffix("_offload"))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", FOUR_RANK_CASES)
+def test_four_ranks_match_single_process(four_rank, case):
+    check_case(four_rank[case], case.split(",")[6])
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_shards_every_dense_block(two_rank, four_rank):
+    for result in (two_rank["1,1,1,2,0,none,fp32"], four_rank["1,2,1,2,0,none,fp32"]):
+        for block, fraction in result["tp_held_fraction"].items():
+            if block.endswith("moe"):
+                assert fraction == 1.0  # MoE blocks stay replicated across tp
+            else:
+                assert fraction <= 0.55, f"block {block} keeps {fraction:.0%} of its parameters per rank"
+    hf = four_rank["1,2,1,2,0,none,fp32,hf"]["tp_held_fraction"]
+    assert all(f <= 0.55 for b, f in hf.items() if b.endswith("mlp"))
+
+
+# ------------------------------------------------------------------ validation, no ranks needed
+def _model(**dims):
+    return NemotronHForCausalLM(NemotronHConfig(**{**vars(PRESETS["tiny"]), **dims}))
+
+
+@pytest.mark.parametrize(
+    "dims,tp,needle",
+    [
+        (dict(pattern="*", num_attention_heads=6, num_key_value_heads=2), 4, "num_attention_heads=6"),
+        (dict(pattern="*", num_attention_heads=8, num_key_value_heads=2), 4, "num_key_value_heads=2"),
+        (dict(pattern="M", mamba_num_heads=8, n_groups=2), 4, "n_groups=2"),
+        (dict(pattern="-", intermediate_size=30), 4, "intermediate_size=30"),
+    ],
+)
+def test_tp_that_does_not_divide_is_a_clear_error(dims, tp, needle):
+    with pytest.raises(ParallelConfigError, match=f"mesh.tp={tp}") as err:
+        check_tensor_parallel(_model(**dims), tp, None, False)
+    assert needle in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_unknown_plan_and_sp_misuse_are_clear_errors():
+    model = _model()
+    with pytest.raises(ParallelConfigError, match="unknown plan"):
+        check_tensor_parallel(model, 2, "rows", False)
+    with pytest.raises(ParallelConfigError, match="sequence_parallel"):
+        check_tensor_parallel(model, 2, "mlp", True)
+
+
+@pytest.mark.parametrize(
+    "mesh,world,needle",
+    [
+        (dict(dp_replicate=1, dp_shard=2, cp=1, tp=2), 8, "= 4, but the world size is 8"),
+        (dict(dp_replicate=1, dp_shard=-1, cp=1, tp=3), 8, "does not divide the world size 8"),
+        (dict(dp_replicate=1, dp_shard=-1, cp=1, tp=1, sequence_parallel=True), 2, "needs tensor parallel"),
+    ],
+)
+def test_mesh_errors_name_the_numbers(mesh, world, needle):
+    with pytest.raises(MeshError, match=needle):
+        resolve_mesh_shape(SimpleNamespace(**{"sequence_parallel": False, **mesh}), world)
+
+
+def test_dp_shard_is_inferred():
+    cfg = SimpleNamespace(dp_replicate=2, dp_shard=-1, cp=1, tp=2, sequence_parallel=True)
+    assert resolve_mesh_shape(cfg, 8) == {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 2}
+
+
+class _RemoteBlock(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.block_type = kind
+        self.mixer = nn.Linear(4, 4)
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_decoder_blocks_finds_remote_code_layout(as_dict):
+    kinds = ["mamba", "attention", "mlp", "moe"]
+    blocks = [_RemoteBlock(k) for k in kinds]
+    model = nn.Module()
+    model.backbone = nn.Module()
+    model.backbone.layers = (
+        nn.ModuleDict({str(i): b for i, b in enumerate(blocks)}) if as_dict else nn.ModuleList(blocks)
+    )
+    container, found = _decoder_blocks(model)
+    assert container is model.backbone.layers and found == blocks
+
+
+def test_decoder_blocks_native_and_transformers():
+    model = _model()
+    container, blocks = _decoder_blocks(model)
+    assert container is model.model.layers and len(blocks) == len(PRESETS["tiny"].pattern)
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**PRESETS["tiny"].to_hf_dict()))
+    container, blocks = _decoder_blocks(hf)
+    assert container is hf.model.layers
+    assert [b.block_type for b in blocks] == ["linear_attention", "full_attention", "linear_attention", "mlp",
+                                              "linear_attention", "moe"]
+
+
+def test_parallelize_rejects_unknown_ac_mode():
+    fsdp = SimpleNamespace(param_dtype="fp32", reduce_dtype="fp32", offload=False, reshard_after_forward=None)
+    with pytest.raises(ParallelConfigError, match="ac.mode='sometimes'"):
+        PARALLELIZER.parallelize(_model(), None, fsdp_cfg=fsdp, ac_mode="sometimes")
+
+
+def test_fp16_is_refused_with_a_reason():
+    fsdp = SimpleNamespace(param_dtype="fp16", reduce_dtype="fp32", offload=False, reshard_after_forward=None)
+    with pytest.raises(ParallelConfigError, match="fsdp.param_dtype='fp16'"):
+        PARALLELIZER.parallelize(_model(), SimpleNamespace(device_type="cpu"), fsdp_cfg=fsdp)
+
