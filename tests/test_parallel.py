@@ -1,4 +1,5 @@
-"""The parallelizer against a single-process run: losses of five steps and step-1 gradients.
+"""The parallelizer against a single-process run: step-0 logits, losses of five steps and step-1
+gradients, for data, tensor, sequence and context parallel and their combinations.
 
 Each torchrun job trains the same seeded model on several meshes in turn (tests/distributed/
 parity_worker.py); the single-process reference runs inside the same job on rank 0.
@@ -22,12 +23,13 @@ from nemotron_recipe.models.nemotron_v3 import PRESETS, NemotronHConfig, Nemotro
 from nemotron_recipe.models.nemotron_v3.parallelization import (
     PARALLELIZER,
     _decoder_blocks,
+    check_context_parallel,
     check_tensor_parallel,
 )
 
 WORKER = Path(__file__).parent / "distributed" / "parity_worker.py"
 FP32_LOSS_RTOL = 1e-5
-FP32_GRAD_RTOL = 1e-4  # max |g - g_ref| / max |g_ref| per parameter, after step 1
+FP32_GRAD_RTOL = 1e-5  # max |g - g_ref| / max |g_ref| per parameter, after step 1
 BF16_LOSS_RTOL = 2e-2
 BF16_GRAD_RTOL = 1e-1
 
@@ -43,6 +45,8 @@ def torchrun(nproc: int, out: Path, cases: list[str], timeout: int = 600) -> dic
 
 def check_case(result: dict, dtype: str) -> None:
     loss_tol, grad_tol = (FP32_LOSS_RTOL, FP32_GRAD_RTOL) if dtype == "fp32" else (BF16_LOSS_RTOL, BF16_GRAD_RTOL)
+    if dtype == "fp32":
+        assert result["logits_rel_err"] <= FP32_LOSS_RTOL, f"step-0 logits differ by {result['logits_rel_err']:.2e}"
     for step, (loss, ref) in enumerate(zip(result["losses"], result["ref_losses"])):
         assert abs(loss - ref) <= loss_tol * abs(ref), f"step {step}: {loss} vs single process {ref}"
     assert not result["missing_grads"]
@@ -61,6 +65,8 @@ TWO_RANK_CASES = [
     "1,1,1,2,1,full,fp32",
     "1,2,1,1,0,selective,bf16",
     "1,1,1,2,1,none,bf16_offload",
+    "1,1,2,1,0,none,fp32",  # CP 2
+    "1,1,2,1,0,blocks,fp32",
 ]
 FOUR_RANK_CASES = [
     "1,2,1,2,0,none,fp32",  # FSDP 2 x TP 2
@@ -69,6 +75,10 @@ FOUR_RANK_CASES = [
     "2,2,1,1,0,blocks,fp32",
     "1,2,1,2,1,blocks,bf16",  # FSDP 2 x TP 2 + SP, bf16
     "1,2,1,2,0,none,fp32,hf",  # transformers' NemotronH, reference plan
+    "1,1,2,2,0,none,fp32",  # CP 2 x TP 2
+    "1,1,2,2,1,blocks,fp32",  # CP 2 x TP 2 + SP
+    "1,2,2,1,0,none,fp32",  # FSDP 2 x CP 2
+    "1,1,4,1,0,none,fp32",  # CP 4
 ]
 
 
@@ -124,6 +134,37 @@ def test_tp_that_does_not_divide_is_a_clear_error(dims, tp, needle):
     with pytest.raises(ParallelConfigError, match=f"mesh.tp={tp}") as err:
         check_tensor_parallel(_model(**dims), tp, None, False)
     assert needle in str(err.value) and "Fix:" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "dims,tp,cp,needle",
+    [
+        (dict(pattern="M", mamba_num_heads=6, n_groups=2), 1, 4, "6 heads in 2 groups"),
+        (dict(pattern="M", mamba_num_heads=12, n_groups=3), 1, 2, "12 heads in 3 groups"),
+        (dict(pattern="M", mamba_num_heads=8, n_groups=4), 2, 8, "4 heads in 2 groups"),
+    ],
+)
+def test_cp_that_does_not_split_mamba_is_a_clear_error(dims, tp, cp, needle):
+    with pytest.raises(ParallelConfigError, match=f"mesh.cp={cp}") as err:
+        check_context_parallel(_model(**dims), tp, cp)
+    assert needle in str(err.value)
+
+
+def test_cp_needs_the_native_model():
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**PRESETS["tiny"].to_hf_dict()))
+    with pytest.raises(ParallelConfigError, match="native model|NemotronHForCausalLM"):
+        check_context_parallel(hf, 1, 2)
+
+
+def test_zigzag_chunks_balance_and_cover():
+    from nemotron_recipe.distributed.context_parallel import zigzag_positions
+
+    parts = [zigzag_positions(24, 3, r) for r in range(3)]
+    assert [p.tolist() for p in parts][0] == [0, 1, 2, 3, 20, 21, 22, 23]
+    assert sorted(torch.cat(parts).tolist()) == list(range(24))
+    with pytest.raises(ValueError, match="trainer.seq_len=20"):
+        zigzag_positions(20, 3, 0)
 
 
 def test_unknown_plan_and_sp_misuse_are_clear_errors():

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from nemotron_recipe.distributed import build_mesh
+from nemotron_recipe.distributed.context_parallel import ContextParallel, shard_sequence
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
 from nemotron_recipe.models.nemotron_v3.parallelization import PARALLELIZER
 
@@ -74,18 +75,23 @@ def tp_fraction(p: torch.Tensor, tp: int) -> float:
     return 1.0
 
 
-def train(model, ids, targets, *, dp_rank=0, dp_size=1, dp_group=None):
-    """Five AdamW steps; the loss of a step is its global token-loss sum over the global token count."""
+def train(model, ids, targets, *, dp_rank=0, dp_size=1, dp_group=None, cp=None):
+    """Five AdamW steps; the loss of a step is its global token-loss sum over the global token count.
+
+    `dp_group` spans every rank that holds different tokens (data and context parallel)."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     per_rank = GLOBAL_BATCH // dp_size
-    losses, grads = [], {}
+    losses, grads, first_logits = [], {}, None
     for step in range(STEPS):
         x = ids[step, dp_rank * per_rank:(dp_rank + 1) * per_rank]
         y = targets[step, dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        x, y = shard_sequence(x, cp), shard_sequence(y, cp)
         count = (y != -100).sum().float()
         if dp_group is not None:
             dist.all_reduce(count, group=dp_group)
         logits = model(x).logits
+        if step == 0:
+            first_logits = full(logits).detach().clone()
         if isinstance(logits, DTensor):
             with loss_parallel():
                 loss_sum = token_loss_sum(logits, y)
@@ -102,7 +108,7 @@ def train(model, ids, targets, *, dp_rank=0, dp_size=1, dp_group=None):
             grads = {clean_name(n): full(p.grad).detach().float().clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
-    return losses, grads
+    return losses, grads, first_logits
 
 
 def main() -> None:
@@ -129,8 +135,17 @@ def main() -> None:
             tp_shard_plan="mlp" if model_name == "hf" else None,
         )
         dp = mesh["dp"]
-        losses, grads = train(model, ids, targets, dp_rank=dp.get_local_rank(), dp_size=dp.size(),
-                              dp_group=dp.get_group())
+        cp_mesh = mesh["cp"]
+        cp_ctx = ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+        losses, grads, logits = train(model, ids, targets, dp_rank=dp.get_local_rank(), dp_size=dp.size(),
+                                      dp_group=mesh["dp_cp"].get_group(), cp=cp_ctx)
+        # Step-0 logits of this rank's samples and positions against the unsharded model's.
+        per_rank = GLOBAL_BATCH // dp.size()
+        with torch.no_grad():
+            ref = build_model(model_name)(ids[0]).logits
+        ref = shard_sequence(ref[dp.get_local_rank() * per_rank:(dp.get_local_rank() + 1) * per_rank], cp_ctx)
+        logits_err = torch.tensor((logits - ref).abs().max().item() / ref.abs().max().item())
+        dist.all_reduce(logits_err, op=dist.ReduceOp.MAX)
         # Fraction of each block's parameters this rank holds under tensor parallel (FSDP excluded).
         held = {
             f"{i}:{CFG.block_types[i]}": sum(p.numel() * tp_fraction(p, int(tp)) for p in block.parameters())
@@ -138,10 +153,10 @@ def main() -> None:
             for i, block in enumerate(model.model.layers)
         }
         if rank == 0:
-            ref_losses, ref_grads = references[model_name]
+            ref_losses, ref_grads, _ = references[model_name]
             errs = {name: ((grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
                     for name, g in ref_grads.items()}
-            results[case] = {"losses": losses, "ref_losses": ref_losses, "grad_rel_err": errs,
+            results[case] = {"logits_rel_err": logits_err.item(), "losses": losses, "ref_losses": ref_losses, "grad_rel_err": errs,
                              "missing_grads": sorted(set(ref_grads) - set(grads)), "tp_held_fraction": held}
         dist.barrier()
     if rank == 0:

@@ -21,6 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from nemotron_recipe.distributed import context_parallel
+from nemotron_recipe.distributed.context_parallel import ContextParallel
+
 from .config import NemotronHConfig
 from .ssd import discretize_dt, ssd_chunked
 
@@ -79,6 +82,7 @@ class GatedGroupRMSNorm(nn.Module):
 
 class Mamba2Mixer(_KeepFP32, nn.Module):
     fp32_params = ("A_log", "D", "dt_bias")
+    context_parallel: ContextParallel | None = None  # set by the parallelizer
 
     def __init__(self, config: NemotronHConfig):
         super().__init__()
@@ -103,33 +107,43 @@ class Mamba2Mixer(_KeepFP32, nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         zxbcdt = self.in_proj(hidden).unflatten(-1, (-1, self.d_group + self.conv_group + self.heads_per_group))
         z, xbc, dt = zxbcdt.split([self.d_group, self.conv_group, self.heads_per_group], dim=-1)
-        y = self.conv_and_scan(xbc, dt)
+        if self.context_parallel is None:
+            y = self.conv_and_scan(xbc, dt)
+        else:
+            y = context_parallel.mamba_conv_and_scan(self, xbc, dt, self.context_parallel)
         y = self.norm(y.flatten(-2), z.flatten(-2))
         return self.out_proj(y)
 
     def conv_and_scan(
-        self, xbc: torch.Tensor, dt: torch.Tensor, groups: slice = slice(None)
+        self,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        channels: torch.Tensor | None = None,
+        heads: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """xbc [b,l,g,conv_group], dt [b,l,g,r] for the groups `groups` of this rank's parameters
-        (all of them unless context parallel splits them) -> y [b,l,g,d_group]."""
-        b, l, g, _ = xbc.shape
-        r = self.heads_per_group
-        weight = local(self.conv1d.weight).unflatten(0, (-1, self.conv_group))[groups].flatten(0, 1)
-        bias = self.conv1d.bias
-        if bias is not None:
-            bias = local(bias).unflatten(0, (-1, self.conv_group))[groups].flatten(0, 1)
-        heads = slice(None) if groups == slice(None) else slice(groups.start * r, groups.stop * r)
+        """Causal conv and scan over whole sequences: xbc [b,l,g,r*p+2n], dt [b,l,g,r] -> y [b,l,g,r*p].
+
+        Context parallel hands a rank a subset of heads: `channels` and `heads` then pick their conv
+        channels and SSM parameters out of this rank's (group-major) parameters.
+        """
+        r = dt.shape[-1]
+        weight, bias = local(self.conv1d.weight), self.conv1d.bias
+        bias = None if bias is None else local(bias)
+        A_log, D, dt_bias = local(self.A_log), local(self.D), local(self.dt_bias)
+        if channels is not None:
+            weight, bias = weight[channels], None if bias is None else bias[channels]
+            A_log, D, dt_bias = A_log[heads], D[heads], dt_bias[heads]
 
         # Causal depthwise convolution: pad on the left only so no step sees the future.
+        g = xbc.shape[2]
         xbc = F.conv1d(F.pad(xbc.flatten(2).transpose(1, 2), (weight.shape[-1] - 1, 0)),
                        weight.to(xbc.dtype), None if bias is None else bias.to(xbc.dtype), groups=weight.shape[0])
-        xbc = F.silu(xbc).transpose(1, 2).unflatten(-1, (g, self.conv_group))
-        x, B, C = xbc.split([self.d_group, self.state_size, self.state_size], dim=-1)
+        xbc = F.silu(xbc).transpose(1, 2).unflatten(-1, (g, -1))
+        x, B, C = xbc.split([r * self.head_dim, self.state_size, self.state_size], dim=-1)
 
-        A = -torch.exp(local(self.A_log)[heads].float())
-        dt = discretize_dt(dt.flatten(2), local(self.dt_bias)[heads], self.dt_min)
-        y = ssd_chunked(x.unflatten(-1, (r, self.head_dim)).flatten(2, 3), dt, A, B, C,
-                        local(self.D)[heads], self.chunk_size)
+        dt = discretize_dt(dt.flatten(2), dt_bias, self.dt_min)
+        y = ssd_chunked(x.unflatten(-1, (r, self.head_dim)).flatten(2, 3), dt, -torch.exp(A_log.float()), B, C,
+                        D, self.chunk_size)
         return y.to(xbc.dtype).unflatten(2, (g, r)).flatten(-2)
 
 
@@ -145,6 +159,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, config.num_key_value_heads * hd, bias=False)
         self.o_proj = nn.Linear(config.num_attention_heads * hd, d, bias=False)
 
+    context_parallel: ContextParallel | None = None  # set by the parallelizer
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = (proj(hidden).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
@@ -152,7 +168,9 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [b,hq,l,d], k/v [b,hkv,l,d]; context parallel replaces this with its distributed version."""
+        """q [b,hq,l,d], k/v [b,hkv,l,d]."""
+        if self.context_parallel is not None:
+            return context_parallel.attention(q, k, v, self.context_parallel)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 

@@ -3,6 +3,10 @@
 Parallelisms are applied in a fixed order, one small function each:
     tensor + sequence parallel  ->  context parallel  ->  activation checkpointing  ->  FSDP2
 
+Context parallel (distributed/context_parallel.py) gives each cp rank a load-balanced part of every
+sequence; Mamba2 and attention mixers exchange what they need across the cp group, the other blocks
+are per-token and need nothing. FSDP shards over the flattened (dp_shard, cp) dim.
+
 Tensor-parallel plans are data: dicts of `ParallelStyle` per block kind. The default plan shards every
 block kind of the native model:
 - MLP: `up_proj` colwise, `down_proj` rowwise;
@@ -44,6 +48,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from nemotron_recipe.distributed import context_parallel
 from nemotron_recipe.distributed.parallelizer import ModelParallelizer, ParallelConfigError
 
 from .model import NemotronHForCausalLM
@@ -237,6 +242,20 @@ def check_tensor_parallel(model: nn.Module, tp: int, plan, sequence_parallel: bo
     return name
 
 
+def check_context_parallel(model: nn.Module, tp: int, cp: int) -> None:
+    if not isinstance(model, NemotronHForCausalLM):
+        raise ParallelConfigError(
+            f"mesh.cp={cp}: context parallel runs on nemotron_recipe's NemotronHForCausalLM, not on "
+            f"{type(model).__name__}. Fix: load the checkpoint into the native model (model.pretrained=<dir>)."
+        )
+    cfg = model.config
+    if "M" in cfg.pattern:
+        try:
+            context_parallel.check_mamba(cfg.mamba_num_heads // tp, cfg.n_groups // tp, cp)
+        except ValueError as err:
+            raise ParallelConfigError(str(err)) from None
+
+
 # ------------------------------------------------------------------------------- the steps
 def apply_tensor_parallel(model, blocks, tp_mesh, plan, sequence_parallel) -> None:
     if isinstance(plan, dict):
@@ -253,6 +272,15 @@ def apply_tensor_parallel(model, blocks, tp_mesh, plan, sequence_parallel) -> No
         "tensor parallel: plan %r over %d ranks%s", plan, tp_mesh.size(), ", sequence parallel" if sequence_parallel
         else ""
     )
+
+
+def apply_context_parallel(blocks, cp_mesh: DeviceMesh) -> None:
+    """Every Mamba and attention mixer runs its sequence mixing across the cp group."""
+    cp = context_parallel.ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+    for block in blocks:
+        if _block_kind(block) in ("mamba", "attention"):
+            block.mixer.context_parallel = cp
+    logger.info("context parallel over %d ranks", cp.size)
 
 
 def apply_activation_checkpointing(container, blocks, mode: str, every: int) -> list[nn.Module]:
@@ -353,13 +381,13 @@ class NemotronHModelParallelizer(ModelParallelizer):
                 "mesh.sequence_parallel=true needs mesh.tp>1: the sequence is sharded across tensor-parallel ranks."
             )
         if cp > 1:
-            raise ParallelConfigError(
-                f"mesh.cp={cp}: context parallel is not available in this build. Fix: set mesh.cp=1."
-            )
+            check_context_parallel(model, tp, cp)
         container, blocks = _decoder_blocks(model)
 
         if tp > 1:
             apply_tensor_parallel(model, blocks, device_mesh[tp_mesh_name], plan, sequence_parallel)
+        if cp > 1:
+            apply_context_parallel(blocks, device_mesh["cp"])
         inner_blocks = list(blocks)
         if ac_mode != "none":
             blocks = apply_activation_checkpointing(container, blocks, ac_mode, ac_every)
