@@ -3,9 +3,9 @@
 Every sequence is cut into 2*cp chunks and cp rank r holds chunks r and 2*cp-1-r ("zig-zag"), so
 under a causal mask each rank does the same amount of attention work.
 
-- Attention: keys and values of all ranks are gathered in one autograd-aware collective; each
-  rank attends its own queries to them with a mask built from global positions, which makes the
-  gathered order irrelevant and the result exact.
+- Attention: keys and values of all ranks are gathered in one autograd-aware collective and put
+  back in time order; each of a rank's two query chunks then attends the keys up to its end with a
+  plain causal kernel (no dense mask, so memory stays linear in the sequence).
 - Mamba2: the scan is sequential in time but independent across heads, so the mixer trades its
   sequence shard for a head shard: an all-to-all turns [L/cp tokens, all heads] into
   [L tokens, heads/cp]; the zig-zag order is undone, the causal conv and the scan run over the
@@ -64,13 +64,24 @@ def _gathered_positions(local_len: int, cp: int) -> torch.Tensor:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     """Exact causal attention of local queries over all ranks' keys. q [b,hq,l,d], k/v [b,hkv,l,d]."""
     local_len = q.shape[2]
+    c = local_len // 2
     # One collective for both: gathering k and v in separate autograd calls has given wrong gradients.
-    kv = funcol.all_gather_tensor_autograd(torch.stack([k, v]).contiguous(), gather_dim=3, group=cp.group)
-    k_all, v_all = kv.unbind(0)
-    q_pos = zigzag_positions(local_len * cp.size, cp.size, cp.rank).to(q.device)
-    k_pos = _gathered_positions(local_len, cp.size).to(q.device)
-    mask = q_pos[:, None] >= k_pos[None, :]
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True)
+    # The collective gathers along dim 0, so the sequence goes first: [l, 2, b, hkv, d].
+    kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4).contiguous()
+    kv = funcol.all_gather_single_autograd(kv, gather_dim=0, group=cp.group)
+    to_time = torch.argsort(_gathered_positions(local_len, cp.size)).to(q.device)
+    k_all, v_all = kv.index_select(0, to_time).permute(1, 2, 3, 0, 4).unbind(0)
+    outs = []
+    for part, chunk in enumerate((cp.rank, 2 * cp.size - 1 - cp.rank)):
+        # Chunk `chunk` attends keys [0, end) causally. Zero queries in front make that a square causal
+        # problem, which the fused kernels run without materialising a mask; their rows are dropped and,
+        # with no gradient flowing into them, add nothing to dK or dV.
+        end = (chunk + 1) * c
+        q_chunk = F.pad(q[:, :, part * c:(part + 1) * c], (0, 0, end - c, 0))
+        out = F.scaled_dot_product_attention(q_chunk, k_all[:, :, :end], v_all[:, :, :end], is_causal=True,
+                                             enable_gqa=True)
+        outs.append(out[:, :, end - c:])
+    return torch.cat(outs, dim=2)
 
 
 # ------------------------------------------------------------------------------- Mamba2
