@@ -15,14 +15,13 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from nemotron_recipe.distributed import build_mesh
 from nemotron_recipe.distributed.context_parallel import ContextParallel, shard_sequence
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
 from nemotron_recipe.models.nemotron_v3.parallelization import PARALLELIZER
+from nemotron_recipe.training.loss import cross_entropy_sum, local_value, loss_parallel_for
 
 STEPS = 5
 GLOBAL_BATCH = 4
@@ -53,10 +52,6 @@ def build_model(name: str):
         hf_cfg = transformers.NemotronHConfig(**{**CFG.to_hf_dict(), "use_mamba_kernels": False})
         return transformers.NemotronHForCausalLM(hf_cfg).float()
     return NemotronHForCausalLM(CFG)
-
-
-def token_loss_sum(logits, targets):
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum")
 
 
 def clean_name(name: str) -> str:
@@ -92,15 +87,10 @@ def train(model, ids, targets, *, dp_rank=0, dp_size=1, dp_group=None, cp=None):
         logits = model(x).logits
         if step == 0:
             first_logits = full(logits).detach().clone()
-        if isinstance(logits, DTensor):
-            with loss_parallel():
-                loss_sum = token_loss_sum(logits, y)
-                (loss_sum / count).backward()
-            loss_sum = loss_sum.full_tensor()
-        else:
-            loss_sum = token_loss_sum(logits, y)
+        with loss_parallel_for(logits):
+            loss_sum, _ = cross_entropy_sum(logits, y)
             (loss_sum / count).backward()
-        loss_sum = loss_sum.detach().clone()
+        loss_sum = local_value(loss_sum).detach().clone()
         if dp_group is not None:
             dist.all_reduce(loss_sum, group=dp_group)
         losses.append((loss_sum / count).item())

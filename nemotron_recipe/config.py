@@ -1,0 +1,370 @@
+"""Structured (typed) configuration of the fine-tuning recipe, registered with Hydra.
+
+The dataclasses here are the schema that `conf/finetune.yaml` extends, so Hydra itself rejects a
+misspelt key or a value of the wrong type, naming it. Checks that need more than one field, or
+knowledge of the model, live in `validate_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+from omegaconf.errors import InterpolationResolutionError
+
+from nemotron_recipe.distributed.parallelizer import AC_MODES, DTYPES
+from nemotron_recipe.models.nemotron_v3.config import ModelConfigError, NemotronHConfig
+
+WANDB_MODES = ("disabled", "offline", "online")
+DEVICES = ("auto", "cpu", "cuda")
+
+# Shipped with the package, next to the data layer that documents their format.
+ASSETS_DIR = Path(__file__).resolve().parent / "data" / "assets"
+
+
+class ConfigError(ValueError):
+    """An invalid setting; the message names the field, its value and a fix."""
+
+
+# ---------------------------------------------------------------------------------------- resolvers
+def _asset_path(name: str = "") -> str:
+    return str(ASSETS_DIR / name) if name else str(ASSETS_DIR)
+
+
+def _agent_start_time() -> Optional[datetime.datetime]:
+    """Start time of torchrun's agent, which every local rank shares as parent (Linux only)."""
+    try:
+        with open(f"/proc/{os.getppid()}/stat") as f:
+            # Field 22 counts clock ticks since boot; the command name (field 2) may hold spaces.
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return datetime.datetime.fromtimestamp(boot + start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def run_id() -> str:
+    """One name for this run that every rank computes identically.
+
+    Each rank resolves Hydra's run dir on its own, so a per-process timestamp would scatter a
+    multi-rank run over several directories. `NR_RUN_ID` wins when set; under torchrun the
+    rendezvous id is shared by construction. torchrun without `--rdzv-id` reports the id
+    "none", which would make every such run share one directory, so the agent's start time
+    stands in for it.
+    """
+    explicit = os.environ.get("NR_RUN_ID")
+    if explicit:
+        return explicit
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        rdzv = os.environ["TORCHELASTIC_RUN_ID"]
+        if rdzv and rdzv != "none":
+            return rdzv
+        started = _agent_start_time()
+        if started is not None:
+            return started.strftime("%H-%M-%S")
+    return datetime.datetime.now().strftime("%H-%M-%S")
+
+
+def _register_resolvers() -> None:
+    OmegaConf.register_new_resolver("nr_run_id", run_id, replace=True)
+    OmegaConf.register_new_resolver("nr_asset", _asset_path, replace=True)
+
+
+# ---------------------------------------------------------------------------------------- schema
+def _make_model_config_class() -> type:
+    """`ModelConfig`: a preset or checkpoint, plus one optional override per `NemotronHConfig` field.
+
+    Generated from the model's own dataclass so that a new model field is overridable (and
+    type-checked by Hydra) without touching this file.
+    """
+    hints = typing.get_type_hints(NemotronHConfig)
+    spec: list[tuple[str, Any, Any]] = [
+        ("preset", str, field(default="tiny")),
+        ("pretrained", Optional[str], field(default=None)),
+    ]
+    for f in dataclasses.fields(NemotronHConfig):
+        spec.append((f.name, Optional[hints[f.name]], field(default=None)))
+    cls = dataclasses.make_dataclass("ModelConfig", spec)
+    cls.__module__ = __name__
+    cls.__doc__ = (
+        "Which model to build: `preset` (a name in PRESETS) or `pretrained` (a Hugging Face checkpoint "
+        "directory, which takes precedence), with any non-None field overriding that base config."
+    )
+    return cls
+
+
+ModelConfig = _make_model_config_class()
+MODEL_OVERRIDE_FIELDS = tuple(f.name for f in dataclasses.fields(NemotronHConfig))
+
+
+@dataclass
+class MeshConfig:
+    """Parallel layout; the product of the sizes must equal the number of processes."""
+
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: whatever the other sizes leave of the world size
+    cp: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False
+
+
+@dataclass
+class ACConfig:
+    """Activation checkpointing, applied by the model's parallelizer: none; blocks (its choice of blocks,
+    for Nemotron-H the Mamba and MLP ones); full (every block); selective (every `every`-th block)."""
+
+    mode: str = "none"
+    every: int = 2
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP2 precision and placement. Parameters are stored in fp32 either way; `param_dtype` is
+    what forward/backward compute in, `reduce_dtype` what gradients are summed in."""
+
+    param_dtype: str = "fp32"
+    reduce_dtype: str = "fp32"
+    offload: bool = False
+    reshard_after_forward: Optional[bool] = None  # None: FSDP's default
+
+
+@dataclass
+class DataConfig:
+    train_file: str = "${nr_asset:tiny_sft_train.jsonl}"
+    val_file: Optional[str] = "${nr_asset:tiny_sft_val.jsonl}"  # None: no validation
+    tokenizer: str = "${nr_asset:}"
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    val_max_batches: Optional[int] = 8  # None: the whole validation set
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup, then cosine decay to `lr * min_lr_ratio` at `trainer.max_steps`."""
+
+    lr: float = 3e-3
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    global_batch_size: int = 16  # sequences per optimizer step, summed over data-parallel ranks
+    micro_batch_size: int = 8  # sequences per forward pass on one rank
+    seq_len: int = 128
+    log_every: int = 10
+    val_every: int = 50  # 0: validate only before and after training
+    max_grad_norm: Optional[float] = 1.0  # None: no clipping (the norm is still logged)
+    device: str = "auto"
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "disabled"
+    project: str = "nemotron-recipe"
+    name: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ConsoleConfig:
+    progress_bar: bool = True
+
+
+@dataclass
+class LoggerConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    console: ConsoleConfig = field(default_factory=ConsoleConfig)
+
+
+@dataclass
+class FinetuneConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)  # type: ignore[valid-type]
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    ac: ACConfig = field(default_factory=ACConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    seed: int = 1234
+    run_dir: str = "${hydra:runtime.output_dir}"
+
+
+SCHEMA_NAME = "finetune_schema"
+
+
+def register_configs() -> None:
+    _register_resolvers()
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=FinetuneConfig)
+
+
+register_configs()
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def model_overrides(model_cfg: Any) -> dict[str, Any]:
+    """The `NemotronHConfig` fields that `model_cfg` sets explicitly."""
+    return {
+        name: value
+        for name in MODEL_OVERRIDE_FIELDS
+        if (value := getattr(model_cfg, name, None)) is not None
+    }
+
+
+def build_model_config(model_cfg: Any) -> NemotronHConfig:
+    """The `NemotronHConfig` that `model_cfg` describes; raises `ModelConfigError` naming the bad field."""
+    overrides = model_overrides(model_cfg)
+    if model_cfg.pretrained:
+        path = Path(model_cfg.pretrained).expanduser()
+        if not (path / "config.json").is_file():
+            raise ModelConfigError(
+                f"model.pretrained={model_cfg.pretrained!r}: no config.json there. Fix: point it at a "
+                "Hugging Face checkpoint directory, or unset it (model.pretrained=null) to train a preset."
+            )
+        return dataclasses.replace(NemotronHConfig.from_hf(str(path)), **overrides)
+    return NemotronHConfig.from_preset(model_cfg.preset, **overrides)
+
+
+def torch_dtype(field_name: str, name: str) -> torch.dtype:
+    if name == "fp16":
+        raise ConfigError(
+            f"{field_name}='fp16': not supported; fp16 is very slow on CPU and numerically fragile "
+            "(it needs loss scaling). Fix: use bf16 (or fp32)."
+        )
+    if name not in DTYPES:
+        raise ConfigError(f"{field_name}={name!r}: unknown dtype. Fix: use one of {list(DTYPES)}.")
+    return DTYPES[name]
+
+
+def _check_choice(errors: list[str], name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        errors.append(f"{name}={value!r}: unknown value. Fix: use one of {list(choices)}.")
+
+
+def _check_path(errors: list[str], name: str, value: Optional[str], *, allow_dir: bool = False) -> None:
+    if value is None:
+        return
+    p = Path(value).expanduser()
+    if p.is_file() or (allow_dir and p.is_dir()):
+        return
+    what = "is a directory, not a file" if p.is_dir() else "does not exist"
+    errors.append(
+        f"{name}={value!r}: {what} (relative paths resolve against the launch directory). "
+        f"Fix: point {name} at an existing file."
+    )
+
+
+def validate_config(cfg: Any) -> NemotronHConfig:
+    """Check everything that can be checked before any process group, data or model exists.
+
+    Raises `ConfigError` listing every problem at once (or `ModelConfigError` for the model), so
+    every rank fails identically and early. Returns the model config it had to build anyway.
+    """
+    errors: list[str] = []
+    t, o = cfg.trainer, cfg.optim
+
+    def positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
+        if value is None:
+            return
+        if value < 0 or (value == 0 and not allow_zero):
+            bound = ">= 0" if allow_zero else "> 0"
+            errors.append(f"{name}={value!r}: must be {bound}. Fix: set a value {bound}.")
+
+    positive("trainer.max_steps", t.max_steps)
+    positive("trainer.global_batch_size", t.global_batch_size)
+    positive("trainer.micro_batch_size", t.micro_batch_size)
+    positive("trainer.log_every", t.log_every)
+    positive("trainer.val_every", t.val_every, allow_zero=True)
+    positive("trainer.max_grad_norm", t.max_grad_norm)
+    if t.seq_len < 2:
+        errors.append(
+            f"trainer.seq_len={t.seq_len}: must be >= 2 (one input and one target token). "
+            "Fix: set trainer.seq_len to at least 2, e.g. 128."
+        )
+    if t.global_batch_size > 0 and t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:
+        errors.append(
+            f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
+            f"trainer.micro_batch_size={t.micro_batch_size}. Fix: make the global batch a multiple of "
+            "micro batch x data-parallel size."
+        )
+    _check_choice(errors, "trainer.device", t.device, DEVICES)
+
+    positive("optim.lr", o.lr)
+    positive("optim.weight_decay", o.weight_decay, allow_zero=True)
+    positive("optim.eps", o.eps)
+    positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        errors.append(f"optim.min_lr_ratio={o.min_lr_ratio}: must lie in [0, 1]. Fix: e.g. 0.1.")
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        errors.append(f"optim.betas={list(o.betas)}: need two values in [0, 1). Fix: e.g. [0.9,0.95].")
+
+    _check_choice(errors, "ac.mode", cfg.ac.mode, AC_MODES)
+    positive("ac.every", cfg.ac.every)
+    for name in ("param_dtype", "reduce_dtype"):
+        try:
+            torch_dtype(f"fsdp.{name}", getattr(cfg.fsdp, name))
+        except ConfigError as e:
+            errors.append(str(e))
+
+    m = cfg.mesh
+    for name in ("dp_replicate", "cp", "tp"):
+        positive(f"mesh.{name}", getattr(m, name))
+    if m.dp_shard != -1 and m.dp_shard < 1:
+        errors.append(f"mesh.dp_shard={m.dp_shard}: must be >= 1, or -1 to infer it from the world size.")
+    # Context parallel cuts every sequence into 2*cp load-balanced chunks, and sequence parallel
+    # splits each rank's part again over the tp ranks.
+    seq_unit = (2 * m.cp if m.cp > 1 else 1) * (m.tp if m.sequence_parallel and m.tp > 1 else 1)
+    if t.seq_len >= 2 and m.cp >= 1 and m.tp >= 1 and t.seq_len % seq_unit:
+        errors.append(
+            f"trainer.seq_len={t.seq_len} is not divisible by {seq_unit} (2 x mesh.cp={m.cp}"
+            f"{f' x mesh.tp={m.tp} for sequence parallel' if m.sequence_parallel else ''}). "
+            f"Fix: use a multiple of {seq_unit}, e.g. {max(seq_unit, t.seq_len // seq_unit * seq_unit)}."
+        )
+
+    _check_choice(errors, "logger.wandb.mode", cfg.logger.wandb.mode, WANDB_MODES)
+
+    _check_path(errors, "data.train_file", cfg.data.train_file)
+    _check_path(errors, "data.val_file", cfg.data.val_file)
+    _check_path(errors, "data.tokenizer", cfg.data.tokenizer, allow_dir=True)
+    positive("data.val_max_batches", cfg.data.val_max_batches)
+
+    try:
+        _ = cfg.run_dir
+    except InterpolationResolutionError:
+        errors.append(
+            "run_dir: cannot be resolved. It defaults to Hydra's output directory, which exists only in "
+            "a run launched through Hydra. Fix: set run_dir explicitly."
+        )
+
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    return build_model_config(cfg.model)
+
+
+def validate_data_parallel(cfg: Any, dp_size: int) -> None:
+    """Batch-size checks that need the data-parallel size, known once the mesh exists."""
+    t = cfg.trainer
+    unit = t.micro_batch_size * dp_size
+    if t.global_batch_size % unit:
+        lower = t.global_batch_size // unit * unit
+        options = " or ".join(str(v) for v in (lower, lower + unit) if v > 0)
+        raise ConfigError(
+            f"trainer.global_batch_size={t.global_batch_size} is not divisible by trainer.micro_batch_size="
+            f"{t.micro_batch_size} x data-parallel size {dp_size} = {unit}, so ranks would run unequal "
+            f"numbers of micro-batches. Fix: set trainer.global_batch_size={options}, or lower "
+            "trainer.micro_batch_size."
+        )

@@ -1,0 +1,152 @@
+"""Run outputs: `metrics.jsonl`, the console (progress bar or log lines) and Weights & Biases.
+
+Only the main rank builds an active writer; the others get a no-op one, so call sites need no
+rank checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("nemotron_recipe.training")
+
+
+def _jsonable(value: Any) -> Any:
+    # JSON has no NaN/Infinity; a diverged loss must still leave a parseable file.
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+class MetricsWriter:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        enabled: bool,
+        total_steps: int,
+        progress_bar: bool,
+        wandb_cfg: Any = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        self.enabled = enabled
+        self.run_dir = run_dir
+        self._file = None
+        self._bar = None
+        self._wandb_run = None
+        self._redirect: contextlib.ExitStack | None = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(run_dir / "metrics.jsonl", "w", encoding="utf-8")
+        if wandb_cfg is not None and wandb_cfg.mode != "disabled":
+            self._wandb_run = _init_wandb(run_dir, wandb_cfg, config)
+        if progress_bar:
+            from tqdm.auto import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+            # Log lines (validation, warnings) printed while the bar is drawn would break it apart.
+            self._redirect = contextlib.ExitStack()
+            self._redirect.enter_context(logging_redirect_tqdm())
+
+    def log_train(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._write(row)
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", refresh=False)
+        else:
+            log.info("  ".join(f"{k} {_fmt(v)}" for k, v in row.items()))
+
+    def log_val(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._write(row)
+        log.info("step %d  val_loss %.4f", row["step"], row["val_loss"])
+
+    def advance(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def _write(self, row: dict[str, Any]) -> None:
+        assert self._file is not None
+        self._file.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
+        self._file.flush()
+        if self._wandb_run is not None:
+            self._wandb_run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.run_dir / "summary.json", "w", encoding="utf-8") as f:
+            json.dump({k: _jsonable(v) for k, v in summary.items()}, f, indent=2)
+            f.write("\n")
+        if self._wandb_run is not None:
+            self._wandb_run.summary.update({k: v for k, v in summary.items() if not isinstance(v, dict)})
+
+    def close(self, *, failed: bool = False) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._redirect is not None:
+            self._redirect.close()
+            self._redirect = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._wandb_run is not None:
+            self._wandb_run.finish(exit_code=1 if failed else 0)
+            self._wandb_run = None
+
+
+def _init_wandb(run_dir: Path, wandb_cfg: Any, config: dict[str, Any] | None) -> Any:
+    # Imported only when enabled: a disabled logger must not depend on wandb importing cleanly.
+    import wandb
+
+    return wandb.init(
+        project=wandb_cfg.project,
+        name=wandb_cfg.name,
+        tags=list(wandb_cfg.tags) or None,
+        config=config,
+        dir=str(run_dir),
+        mode=wandb_cfg.mode,
+        # The console stays ours (progress bar); wandb's stdout capture would garble it.
+        settings=wandb.Settings(console="off"),
+    )
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    def f(key: str, fmt: str = "{:.4f}") -> str:
+        value = summary.get(key)
+        return "n/a" if value is None else fmt.format(value)
+
+    lines = [
+        "",
+        "==== fine-tuning summary ====",
+        f"steps            {summary['steps']}",
+        (
+            f"val loss         first {f('first_val_loss')}  last {f('last_val_loss')}  "
+            f"ratio {f('val_loss_ratio', '{:.3f}')}"
+        ),
+        f"final train loss {f('final_loss')}",
+        (
+            f"throughput       {f('tokens_per_s', '{:.0f}')} tokens/s "
+            f"({f('trained_tokens_per_s', '{:.0f}')} trained tokens/s)"
+        ),
+        f"wall time        {f('wall_time_s', '{:.1f}')} s (training {f('train_time_s', '{:.1f}')} s)",
+        f"run dir          {summary['run_dir']}",
+    ]
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,58 @@
+"""Token-sum cross-entropy that works on plain, replicated and vocab-sharded (DTensor) logits."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import loss_parallel
+
+IGNORE_INDEX = -100
+
+
+def is_vocab_sharded(logits: torch.Tensor) -> bool:
+    if not isinstance(logits, DTensor):
+        return False
+    vocab_dim = logits.ndim - 1
+    return any(isinstance(p, Shard) and p.dim % logits.ndim == vocab_dim for p in logits.placements)
+
+
+@contextlib.contextmanager
+def loss_parallel_for(logits: torch.Tensor) -> Iterator[None]:
+    """`loss_parallel()` when `logits` are sharded over the vocabulary, else nothing.
+
+    The cross-entropy on vocab shards and its backward must both run inside this context, so it
+    wraps the loss and the `backward()` call together. It must not be nested.
+    """
+    if is_vocab_sharded(logits):
+        with loss_parallel():
+            yield
+    else:
+        yield
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor holding `t`'s full value (a DTensor scalar loss is replicated or partial)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def cross_entropy_sum(
+    logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = IGNORE_INDEX
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of per-token losses, number of trained tokens) for pre-shifted `targets`.
+
+    `logits` is [batch, seq, vocab]; `targets[b, t]` is the token to predict at position t, or
+    `ignore_index`. Summing (rather than averaging) lets the caller divide by the global token
+    count of the whole step, which keeps the loss independent of how the batch was split.
+    Vocab-sharded DTensor logits must be passed inside `loss_parallel_for(logits)`.
+    """
+    targets = targets.to(logits.device)
+    if isinstance(logits, DTensor) and not is_vocab_sharded(logits):
+        logits = logits.full_tensor()
+    loss = F.cross_entropy(
+        logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index, reduction="sum"
+    )
+    return loss, (targets != ignore_index).sum()
