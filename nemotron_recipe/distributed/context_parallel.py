@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+from nemotron_recipe.models.nemotron_v3.ops import causal_attention
+
 
 @dataclass
 class ContextParallel:
@@ -61,8 +63,20 @@ def _gathered_positions(local_len: int, cp: int) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------- attention
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
-    """Exact causal attention of local queries over all ranks' keys. q [b,hq,l,d], k/v [b,hkv,l,d]."""
+def gather_sequence(t: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """The full sequence, in time order, of a [b, l] tensor that needs no gradient (document ids)."""
+    local_len = t.shape[1]
+    out = torch.empty(cp.size * local_len, t.shape[0], dtype=t.dtype, device=t.device)
+    dist.all_gather_into_tensor(out, t.t().contiguous(), group=cp.group)
+    to_time = torch.argsort(_gathered_positions(local_len, cp.size)).to(t.device)
+    return out.index_select(0, to_time).t()
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, document_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Exact causal attention of local queries over all ranks' keys. q [b,hq,l,d], k/v [b,hkv,l,d];
+    `document_ids` [b,l] (local, like q) confine each query to its packed document."""
     local_len = q.shape[2]
     c = local_len // 2
     # One collective for both: gathering k and v in separate autograd calls has given wrong gradients.
@@ -71,6 +85,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
     kv = funcol.all_gather_single_autograd(kv, gather_dim=0, group=cp.group)
     to_time = torch.argsort(_gathered_positions(local_len, cp.size)).to(q.device)
     k_all, v_all = kv.index_select(0, to_time).permute(1, 2, 3, 0, 4).unbind(0)
+    docs = None if document_ids is None else gather_sequence(document_ids, cp)
     outs = []
     for part, chunk in enumerate((cp.rank, 2 * cp.size - 1 - cp.rank)):
         # Chunk `chunk` attends keys [0, end) causally. Zero queries in front make that a square causal
@@ -78,8 +93,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextPara
         # with no gradient flowing into them, add nothing to dK or dV.
         end = (chunk + 1) * c
         q_chunk = F.pad(q[:, :, part * c:(part + 1) * c], (0, 0, end - c, 0))
-        out = F.scaled_dot_product_attention(q_chunk, k_all[:, :, :end], v_all[:, :, :end], is_causal=True,
-                                             enable_gqa=True)
+        if docs is None:
+            out = F.scaled_dot_product_attention(q_chunk, k_all[:, :, :end], v_all[:, :, :end], is_causal=True,
+                                                 enable_gqa=True)
+        else:
+            # The padded queries take the documents of the positions they stand in for, so every
+            # row keeps at least its own key.
+            out = causal_attention(q_chunk, k_all[:, :, :end], v_all[:, :, :end], docs[:, :end])
         outs.append(out[:, :, end - c:])
     return torch.cat(outs, dim=2)
 
@@ -100,9 +120,11 @@ def check_mamba(heads: int, groups: int, cp: int) -> None:
         )
 
 
-def mamba_conv_and_scan(mixer, xbc: torch.Tensor, dt: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+def mamba_conv_and_scan(
+    mixer, xbc: torch.Tensor, dt: torch.Tensor, cp: ContextParallel, document_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """The context-parallel twin of `Mamba2Mixer.conv_and_scan`: xbc [b,l,g,conv_group] and dt [b,l,g,r]
-    of the local tokens -> y [b,l,g,d_group] of the local tokens."""
+    (and `document_ids` [b,l]) of the local tokens -> y [b,l,g,d_group] of the local tokens."""
     b, l, g, _ = xbc.shape
     r, p, n = mixer.heads_per_group, mixer.head_dim, mixer.state_size
     check_mamba(g * r, g, cp.size)
@@ -129,7 +151,8 @@ def mamba_conv_and_scan(mixer, xbc: torch.Tensor, dt: torch.Tensor, cp: ContextP
     mine = slice(cp.rank * (v // cp.size), (cp.rank + 1) * (v // cp.size))
     channels, heads = _virtual_channels(mixer, g, rep, mine)
     xbc_v, dt_v = got.split([rv * p + 2 * n, rv], dim=-1)
-    y = mixer.conv_and_scan(xbc_v, dt_v, channels=channels, heads=heads)  # [b, L, V/cp, rv*p]
+    docs = None if document_ids is None else gather_sequence(document_ids, cp)
+    y = mixer.conv_and_scan(xbc_v, dt_v, channels=channels, heads=heads, document_ids=docs)  # [b, L, V/cp, rv*p]
 
     y = y.index_select(1, order)  # back to the ranks' zig-zag order
     back = _all_to_all(y.unflatten(1, (cp.size, l)).permute(1, 0, 2, 3, 4), cp)

@@ -25,6 +25,7 @@ from nemotron_recipe.distributed import context_parallel
 from nemotron_recipe.distributed.context_parallel import ContextParallel
 
 from .config import NemotronHConfig
+from .ops import causal_attention, causal_conv1d
 from .ssd import discretize_dt, ssd_chunked
 
 
@@ -104,13 +105,13 @@ class Mamba2Mixer(_KeepFP32, nn.Module):
         self.norm = GatedGroupRMSNorm(h * p, self.d_group, config.layer_norm_epsilon)
         self.out_proj = nn.Linear(h * p, config.hidden_size, bias=config.use_bias)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         zxbcdt = self.in_proj(hidden).unflatten(-1, (-1, self.d_group + self.conv_group + self.heads_per_group))
         z, xbc, dt = zxbcdt.split([self.d_group, self.conv_group, self.heads_per_group], dim=-1)
         if self.context_parallel is None:
-            y = self.conv_and_scan(xbc, dt)
+            y = self.conv_and_scan(xbc, dt, document_ids=document_ids)
         else:
-            y = context_parallel.mamba_conv_and_scan(self, xbc, dt, self.context_parallel)
+            y = context_parallel.mamba_conv_and_scan(self, xbc, dt, self.context_parallel, document_ids)
         y = self.norm(y.flatten(-2), z.flatten(-2))
         return self.out_proj(y)
 
@@ -120,11 +121,13 @@ class Mamba2Mixer(_KeepFP32, nn.Module):
         dt: torch.Tensor,
         channels: torch.Tensor | None = None,
         heads: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal conv and scan over whole sequences: xbc [b,l,g,r*p+2n], dt [b,l,g,r] -> y [b,l,g,r*p].
 
         Context parallel hands a rank a subset of heads: `channels` and `heads` then pick their conv
-        channels and SSM parameters out of this rank's (group-major) parameters.
+        channels and SSM parameters out of this rank's (group-major) parameters. `document_ids`
+        [b,l] keeps packed documents apart: neither the conv nor the state crosses a boundary.
         """
         r = dt.shape[-1]
         weight, bias = local(self.conv1d.weight), self.conv1d.bias
@@ -134,16 +137,15 @@ class Mamba2Mixer(_KeepFP32, nn.Module):
             weight, bias = weight[channels], None if bias is None else bias[channels]
             A_log, D, dt_bias = A_log[heads], D[heads], dt_bias[heads]
 
-        # Causal depthwise convolution: pad on the left only so no step sees the future.
         g = xbc.shape[2]
-        xbc = F.conv1d(F.pad(xbc.flatten(2).transpose(1, 2), (weight.shape[-1] - 1, 0)),
-                       weight.to(xbc.dtype), None if bias is None else bias.to(xbc.dtype), groups=weight.shape[0])
+        xbc = causal_conv1d(xbc.flatten(2).transpose(1, 2), weight.to(xbc.dtype),
+                            None if bias is None else bias.to(xbc.dtype), document_ids)
         xbc = F.silu(xbc).transpose(1, 2).unflatten(-1, (g, -1))
         x, B, C = xbc.split([r * self.head_dim, self.state_size, self.state_size], dim=-1)
 
         dt = discretize_dt(dt.flatten(2), dt_bias, self.dt_min)
         y = ssd_chunked(x.unflatten(-1, (r, self.head_dim)).flatten(2, 3), dt, -torch.exp(A_log.float()), B, C,
-                        D, self.chunk_size)
+                        D, self.chunk_size, document_ids)
         return y.to(xbc.dtype).unflatten(2, (g, r)).flatten(-2)
 
 
@@ -161,17 +163,15 @@ class Attention(nn.Module):
 
     context_parallel: ContextParallel | None = None  # set by the parallelizer
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = (proj(hidden).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        out = self.attend(q, k, v)
+        if self.context_parallel is not None:
+            out = context_parallel.attention(q, k, v, self.context_parallel, document_ids)
+        else:
+            out = causal_attention(q, k, v, document_ids)
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [b,hq,l,d], k/v [b,hkv,l,d]."""
-        if self.context_parallel is not None:
-            return context_parallel.attention(q, k, v, self.context_parallel)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 class MLP(nn.Module):
@@ -272,8 +272,10 @@ class Block(nn.Module):
         else:
             self.mixer = _MIXERS[block_type](config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mixer(self.norm(x))
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.block_type in ("mamba", "attention"):
+            return x + self.mixer(self.norm(x), document_ids=document_ids)
+        return x + self.mixer(self.norm(x))  # per-token mixers need no document boundaries
 
 
 class NemotronHModel(nn.Module):
@@ -283,10 +285,10 @@ class NemotronHModel(nn.Module):
         self.layers = nn.ModuleList(Block(config, kind) for kind in config.block_types)
         self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embeddings(input_ids)
         for block in self.layers:
-            h = block(h)
+            h = block(h, document_ids=document_ids)
         return self.norm_f(h)
 
 
@@ -304,9 +306,12 @@ class NemotronHForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.reset_parameters()
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> CausalLMOutput:
-        """`labels` as in Hugging Face: aligned with `input_ids`, shifted here, -100 ignored."""
-        logits = self.lm_head(self.model(input_ids)).float()
+    def forward(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+    ) -> CausalLMOutput:
+        """`labels` as in Hugging Face: aligned with `input_ids`, shifted here, -100 ignored.
+        `document_ids` [b,l] marks packed documents, which then never see each other."""
+        logits = self.lm_head(self.model(input_ids, document_ids)).float()
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)

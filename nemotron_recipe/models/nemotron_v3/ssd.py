@@ -28,8 +28,13 @@ def ssd_chunked(
     C: torch.Tensor,
     D: torch.Tensor,
     chunk_size: int,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [b,l,h,p], dt [b,l,h] (discretized), A [h] (negative), B/C [b,l,g,n], D [h] -> y [b,l,h,p] fp32."""
+    """x [b,l,h,p], dt [b,l,h] (discretized), A [h] (negative), B/C [b,l,g,n], D [h] -> y [b,l,h,p] fp32.
+
+    `document_ids` [b,l] marks packed documents (each a contiguous run): the state starts from zero
+    at every document's first token, as if each document were scanned alone.
+    """
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     r = h // g
@@ -45,6 +50,9 @@ def ssd_chunked(
         dt = F.pad(dt, (0, 0, 0, pad))
         B = F.pad(B, (0, 0, 0, 0, 0, pad))
         C = F.pad(C, (0, 0, 0, 0, 0, pad))
+        if document_ids is not None:
+            document_ids = torch.cat([document_ids, document_ids[:, -1:].expand(b, pad)], dim=1)
+    doc = None if document_ids is None else document_ids.view(b, c, q)
 
     x = x.view(b, c, q, g, r, p)
     dt = dt.view(b, c, q, g, r)
@@ -58,18 +66,27 @@ def ssd_chunked(
 
     # 1. Within each chunk: a causal, decay-weighted "attention" of C over B.
     seg = a_cum[..., :, None] - a_cum[..., None, :]  # [b,c,g,r,q(i),q(j)] = sum of a over (j, i]
-    causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
-    decay = torch.exp(seg.masked_fill(~causal, float("-inf")))
+    keep = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
+    if doc is not None:
+        keep = keep & (doc[..., :, None] == doc[..., None, :])[:, :, None, None]  # same document
+    decay = torch.exp(seg.masked_fill(~keep, float("-inf")))
     scores = torch.einsum("bcign,bcjgn->bcgij", C, B)[:, :, :, None] * decay  # [b,c,g,r,i,j]
     y = torch.einsum("bcgrij,bcjgrp->bcigrp", scores, xdt)
 
     # 2. Each chunk's contribution to the state at its end.
     decay_to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [b,c,g,r,q]
+    if doc is not None:  # only the document still open at the chunk's end carries on
+        decay_to_end = decay_to_end * (doc == doc[..., -1:])[:, :, None, None]
     xdt_to_end = xdt * decay_to_end.permute(0, 1, 4, 2, 3)[..., None]
     chunk_states = torch.einsum("bcjgn,bcjgrp->bcgrpn", B, xdt_to_end)
 
     # 3. Carry states across chunks: a short sequential recurrence over c chunk boundaries.
     chunk_decay = torch.exp(a_cum[..., -1])  # [b,c,g,r]
+    if doc is not None:
+        # The state entering chunk k belongs to the document open at the end of chunk k-1; it
+        # survives chunk k only if that document is still open at chunk k's end.
+        doc_in = torch.cat([doc[:, :1, :1].expand(b, 1, 1), doc[:, :-1, -1:]], dim=1)  # [b,c,1]
+        chunk_decay = chunk_decay * (doc[..., -1:] == doc_in)[..., None]
     state = torch.zeros_like(chunk_states[:, 0])
     states_in = []
     for k in range(c):
@@ -79,7 +96,10 @@ def ssd_chunked(
 
     # 4. The carried-in state's contribution to every position of the chunk.
     y_prev = torch.einsum("bcign,bcgrpn->bcigrp", C, prev)
-    y = y + y_prev * torch.exp(a_cum).permute(0, 1, 4, 2, 3)[..., None]
+    decay_from_start = torch.exp(a_cum).permute(0, 1, 4, 2, 3)  # [b,c,q,g,r]
+    if doc is not None:
+        decay_from_start = decay_from_start * (doc == doc_in)[..., None, None]
+    y = y + y_prev * decay_from_start[..., None]
 
     y = y.reshape(b, c * q, h, p)[:, :l]
     return y + D_term
@@ -92,6 +112,7 @@ def ssd_naive(
     B: torch.Tensor,
     C: torch.Tensor,
     D: torch.Tensor,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Step-by-step recurrence, the definition the chunked scan must reproduce (tests only)."""
     b, l, h, p = x.shape
@@ -104,6 +125,8 @@ def ssd_naive(
     ys = []
     for t in range(l):
         decay = torch.exp(dt[:, t] * A)[..., None, None]
+        if document_ids is not None and t > 0:
+            decay = decay * (document_ids[:, t] == document_ids[:, t - 1]).double()[:, None, None, None]
         state = state * decay + (dt[:, t, :, None, None] * x[:, t, :, :, None] * B[:, t, :, None, :])
         ys.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t]) + D[:, None] * x[:, t])
     return torch.stack(ys, dim=1)
