@@ -15,7 +15,7 @@ under a causal mask each rank does the same amount of attention work.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -28,12 +28,17 @@ from nemotron_recipe.models.nemotron_v3.ops import causal_attention
 
 @dataclass
 class ContextParallel:
-    """The context-parallel group a mixer runs in."""
+    """The context-parallel group a mixer runs in, and the sequence mixing it does across it."""
 
     group: dist.ProcessGroup
     rank: int
     size: int
-    _cache: dict = field(default_factory=dict, repr=False)
+
+    def attention(self, q, k, v, document_ids=None):
+        return attention(q, k, v, self, document_ids)
+
+    def mamba_conv_and_scan(self, mixer, xbc, dt, document_ids=None):
+        return mamba_conv_and_scan(mixer, xbc, dt, self, document_ids)
 
 
 # ------------------------------------------------------------------------------- sequence layout

@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from nemotron_recipe.distributed import context_parallel
-from nemotron_recipe.distributed.context_parallel import ContextParallel
-
 from .config import NemotronHConfig
 from .ops import causal_attention, causal_conv1d
 from .ssd import discretize_dt, ssd_chunked
+
+if TYPE_CHECKING:  # the parallelizer sets it; the model itself never imports distributed code
+    from nemotron_recipe.distributed.context_parallel import ContextParallel
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -111,7 +112,7 @@ class Mamba2Mixer(_KeepFP32, nn.Module):
         if self.context_parallel is None:
             y = self.conv_and_scan(xbc, dt, document_ids=document_ids)
         else:
-            y = context_parallel.mamba_conv_and_scan(self, xbc, dt, self.context_parallel, document_ids)
+            y = self.context_parallel.mamba_conv_and_scan(self, xbc, dt, document_ids)
         y = self.norm(y.flatten(-2), z.flatten(-2))
         return self.out_proj(y)
 
@@ -167,7 +168,7 @@ class Attention(nn.Module):
         q, k, v = (proj(hidden).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.context_parallel is not None:
-            out = context_parallel.attention(q, k, v, self.context_parallel, document_ids)
+            out = self.context_parallel.attention(q, k, v, document_ids)
         else:
             out = causal_attention(q, k, v, document_ids)
         return self.o_proj(out.transpose(1, 2).flatten(2))
