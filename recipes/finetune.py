@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import hydra
@@ -31,5 +32,13 @@ def main(cfg: DictConfig) -> None:
         sys.exit(1)
 
 
+def _only_rank0_writes_hydra_files(argv: list[str]) -> None:
+    """Under torchrun every rank runs Hydra over the same run dir; rank 0 alone writes `.hydra/` and
+    the log file there, the others keep to the console."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+
+
 if __name__ == "__main__":
+    _only_rank0_writes_hydra_files(sys.argv)
     main()

@@ -148,7 +148,7 @@ def test_torchrun_ranks_share_one_run_dir_and_match_one_process(tmp_path, single
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "-m", "recipes.finetune", *TINY, *TORCHRUN_STEPS, *mesh],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     # A clean exit: every rank returned 0 (no abort at teardown).
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -164,8 +164,22 @@ def test_torchrun_ranks_share_one_run_dir_and_match_one_process(tmp_path, single
 
     # Same seed, same global batch: the same curve on any mesh (fp32).
     assert losses(run_dirs[0]) == pytest.approx(losses(single_process_run), rel=1e-5)
-    # Rank 0 alone writes: one metrics file, one row per logged step.
+    # Rank 0 alone writes: one metrics file, one row per logged step, one log line per event.
     assert len(read_rows(run_dirs[0])) == len(read_rows(single_process_run))
+    assert (run_dirs[0] / ".hydra" / "config.yaml").is_file()
+    assert (run_dirs[0] / "finetune.log").read_text().count("val_loss") == 2
+
+
+@pytest.mark.distributed
+def test_bad_parallel_config_fails_on_every_rank_before_training(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "recipes.finetune", *TINY, "mesh.tp=2", "model.num_key_value_heads=1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode != 0
+    assert proc.stderr.count("mesh.tp=2 does not divide model.num_key_value_heads=1") == 2, proc.stderr[-3000:]
+    assert not list(tmp_path.glob("outputs/*/*/metrics.jsonl"))
 
 
 # ---------------------------------------------------------------------------------------- errors
