@@ -75,7 +75,9 @@ def run_id() -> str:
 
 
 def _register_resolvers() -> None:
-    OmegaConf.register_new_resolver("nr_run_id", run_id, replace=True)
+    # Cached: Hydra copies the resolver cache into every job of a multirun, so all jobs (and, via
+    # run_id, all ranks) land in one sweep directory rather than one per job start time.
+    OmegaConf.register_new_resolver("nr_run_id", run_id, replace=True, use_cache=True)
     OmegaConf.register_new_resolver("nr_asset", _asset_path, replace=True)
 
 
@@ -139,11 +141,25 @@ class FSDPConfig:
 
 @dataclass
 class DataConfig:
+    """SFT data; the README's "Data" section describes formats, chat rows, packing and validation."""
+
+    # A .jsonl/.json/.parquet/.csv file, or a Hugging Face hub dataset id "org/name".
     train_file: str = "${nr_asset:tiny_sft_train.jsonl}"
-    val_file: Optional[str] = "${nr_asset:tiny_sft_val.jsonl}"  # None: no validation
+    val_file: Optional[str] = "${nr_asset:tiny_sft_val.jsonl}"  # None: val_split_fraction, else no validation
     tokenizer: str = "${nr_asset:}"
+    format: Optional[str] = None  # jsonl|json|parquet|csv|hub; None: from the extension (or a hub id)
+    train_split: str = "train"  # split of a hub train_file
+    val_split: str = "validation"  # split of a hub val_file
+    val_split_fraction: float = 0.0  # with val_file null: hold out this fraction of training rows (by seed)
     prompt_key: str = "prompt"
     response_key: str = "response"
+    messages_key: Optional[str] = None  # chat rows: a list of {role, content} turns; replaces prompt/response
+    role_key: str = "role"
+    content_key: str = "content"
+    chat_template: str = "auto"  # auto (tokenizer's, else built-in) | builtin | a Jinja template
+    train_on: str = "assistant"  # assistant | last_assistant | all
+    max_length_policy: str = "truncate"  # rows longer than trainer.seq_len: truncate | drop
+    packing: bool = False  # several documents per sequence; global_batch_size then counts packed sequences
     val_max_batches: Optional[int] = 8  # None: the whole validation set
 
 
@@ -169,6 +185,28 @@ class TrainerConfig:
     val_every: int = 50  # 0: validate only before and after training
     max_grad_norm: Optional[float] = 1.0  # None: no clipping (the norm is still logged)
     device: str = "auto"
+    # End early with a checkpoint (and exit code 0) after this step or this many minutes; the LR
+    # schedule still runs to max_steps, so a later resume continues the same curve.
+    stop_at_step: Optional[int] = None
+    max_minutes: Optional[float] = None
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded checkpoints (torch.distributed.checkpoint) that resume on any mesh.
+
+    Saved every `every` steps (0: none on the way), at the end (`save_final`) and whenever a run
+    stops early (signal, `trainer.stop_at_step`, `trainer.max_minutes`); the newest `keep` are
+    kept (0: all). `resume`: `auto` (newest complete checkpoint in `dir`, if any), `none`, or a
+    checkpoint path. `export_hf`: also write the final weights to `<run_dir>/hf` in Hugging Face format.
+    """
+
+    dir: Optional[str] = None  # None: <run_dir>/checkpoints
+    every: int = 0
+    keep: int = 2
+    resume: str = "auto"
+    save_final: bool = True
+    export_hf: bool = False
 
 
 @dataclass
@@ -199,6 +237,7 @@ class FinetuneConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     seed: int = 1234
     run_dir: str = "${hydra:runtime.output_dir}"
@@ -290,6 +329,10 @@ def validate_config(cfg: Any) -> NemotronHConfig:
     positive("trainer.log_every", t.log_every)
     positive("trainer.val_every", t.val_every, allow_zero=True)
     positive("trainer.max_grad_norm", t.max_grad_norm)
+    positive("trainer.stop_at_step", t.stop_at_step)
+    positive("trainer.max_minutes", t.max_minutes)
+    positive("checkpoint.every", cfg.checkpoint.every, allow_zero=True)
+    positive("checkpoint.keep", cfg.checkpoint.keep, allow_zero=True)
     if t.seq_len < 2:
         errors.append(
             f"trainer.seq_len={t.seq_len}: must be >= 2 (one input and one target token). "
@@ -337,8 +380,10 @@ def validate_config(cfg: Any) -> NemotronHConfig:
 
     _check_choice(errors, "logger.wandb.mode", cfg.logger.wandb.mode, WANDB_MODES)
 
-    _check_path(errors, "data.train_file", cfg.data.train_file)
-    _check_path(errors, "data.val_file", cfg.data.val_file)
+    # Imported here: the data layer pulls in transformers and datasets, which composing a config should not.
+    from nemotron_recipe.data.sources import check_data_config
+
+    errors.extend(check_data_config(cfg.data))
     _check_path(errors, "data.tokenizer", cfg.data.tokenizer, allow_dir=True)
     positive("data.val_max_batches", cfg.data.val_max_batches)
 

@@ -111,7 +111,7 @@ def test_truncation_and_skipping_are_counted(tmp_path, tok):
 
 def test_all_rows_skipped_is_an_error(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "cat " * 40, "response": "x"}])
-    with pytest.raises(DataError, match="Increase the sequence length"):
+    with pytest.raises(DataError, match=r"no row is left to train on.*increase the sequence length \(trainer.seq_len\)"):
         load_sft_examples(path, tok, seq_len=8)
 
 

@@ -13,7 +13,7 @@ from functools import lru_cache
 
 import torch
 
-from .sft import IGNORE_INDEX, SFTExamples
+from .examples import IGNORE_INDEX, SFTExamples
 
 
 @lru_cache(maxsize=4)
@@ -113,9 +113,13 @@ def collate(examples: SFTExamples, indices: Sequence[int], seq_len: int, pad_id:
 
     The shape never depends on the batch's longest row, which keeps sequence/context-parallel
     splits and compiled graphs static. Padding is never trained on (targets are ``-100``).
+    Packed examples also get ``document_ids``: document ``j`` of a row is marked ``j`` and the
+    row's padding gets the next id, so no real document attends to or carries state from it.
+    Unpacked examples get none, which keeps the model on its faster single-document path.
     """
     input_ids = torch.full((len(indices), seq_len), pad_id, dtype=torch.long)
     targets = torch.full((len(indices), seq_len), IGNORE_INDEX, dtype=torch.long)
+    document_ids = torch.zeros((len(indices), seq_len), dtype=torch.long) if examples.packed else None
     for row, idx in enumerate(indices):
         ids = examples.input_ids[idx]
         if len(ids) > seq_len:
@@ -125,7 +129,14 @@ def collate(examples: SFTExamples, indices: Sequence[int], seq_len: int, pad_id:
             )
         input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         targets[row, : len(ids)] = torch.tensor(examples.targets[idx], dtype=torch.long)
-    return {"input_ids": input_ids, "targets": targets}
+        if document_ids is not None:
+            lengths = examples.document_lengths[idx]
+            marks = torch.arange(len(lengths) + 1).repeat_interleave(torch.tensor([*lengths, seq_len - len(ids)]))
+            document_ids[row] = marks
+    batch = {"input_ids": input_ids, "targets": targets}
+    if document_ids is not None:
+        batch["document_ids"] = document_ids
+    return batch
 
 
 class ValBatches:
@@ -150,13 +161,10 @@ class ValBatches:
             batch = collate(self.examples, indices, self.seq_len, self.pad_id)
             missing = m - len(indices)
             if missing:
+                fill = {"input_ids": self.pad_id, "targets": IGNORE_INDEX, "document_ids": 0}
                 batch = {
-                    "input_ids": torch.cat(
-                        [batch["input_ids"], torch.full((missing, self.seq_len), self.pad_id, dtype=torch.long)]
-                    ),
-                    "targets": torch.cat(
-                        [batch["targets"], torch.full((missing, self.seq_len), IGNORE_INDEX, dtype=torch.long)]
-                    ),
+                    k: torch.cat([v, torch.full((missing, self.seq_len), fill[k], dtype=torch.long)])
+                    for k, v in batch.items()
                 }
             yield batch
 

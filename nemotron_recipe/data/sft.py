@@ -1,181 +1,85 @@
-"""Prompt/response JSONL loading, validation and tokenization for supervised fine-tuning."""
+"""SFT examples: rows from any source, rendered as chats, cut to `seq_len` with pre-shifted targets."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-from collections.abc import Iterator
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-import datasets
+import torch
+import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
-IGNORE_INDEX = -100
+from .chat import ChatFormatter, Encoded, describe
+from .examples import IGNORE_INDEX, SFTExamples
+from .packing import pack_examples
+from .sources import MAX_LENGTH_POLICIES, Columns, DataError, Rows, load_rows, source_format, turns_of
 
-# Role markers wrap the prompt when the tokenizer knows them, which gives the model an
-# unambiguous prompt/response boundary. Tokenizers without them get plain concatenation.
-USER_TOKEN = "<|user|>"
-ASSISTANT_TOKEN = "<|assistant|>"
-
-
-class DataError(ValueError):
-    """A data file is missing or malformed; the message says where and how to fix it."""
+# Rows are rendered and tokenized this many at a time: large enough for batched tokenization,
+# small enough that a big data set never holds all its intermediate lists at once.
+_CHUNK = 2048
 
 
-@dataclass
-class SFTExamples:
-    """Tokenized SFT rows.
-
-    ``targets[i][t]`` is the token to predict at position ``t`` of ``input_ids[i]`` (already
-    shifted by one), or ``IGNORE_INDEX`` where no loss is taken.
-    """
-
-    input_ids: list[list[int]]
-    targets: list[list[int]]
-    num_truncated: int = 0
-    num_skipped: int = 0
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
-
-
-@contextlib.contextmanager
-def _quiet_datasets() -> Iterator[None]:
-    # Every rank loads the file, so per-load progress bars would flood the logs.
-    was_disabled = datasets.utils.are_progress_bars_disabled()
-    datasets.utils.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if not was_disabled:
-            datasets.utils.enable_progress_bars()
-
-
-def _validate_jsonl(path: Path, *, field_name: str, required_keys: tuple[str, ...]) -> None:
-    if not path.is_file():
-        what = "is a directory, not a file" if path.is_dir() else "does not exist"
-        raise DataError(
-            f"{field_name}={str(path)!r}: {what}. Set {field_name} to a JSONL file with one "
-            f"{{{', '.join(repr(k) + ': ...' for k in required_keys)}}} object per line "
-            "(relative paths resolve against the launch directory)."
-        )
-    num_rows = 0
-    with open(path, encoding="utf-8") as f:
-        line_no = 0
-        while True:
-            line_no += 1
-            try:
-                line = f.readline()
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{line_no}: not valid UTF-8 ({e}). Re-encode the file as UTF-8.") from e
-            if not line:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{path}:{line_no}: invalid JSON ({e.msg} at column {e.colno}). "
-                    "Each line must be one complete JSON object; fix or remove this line."
-                ) from e
-            if not isinstance(row, dict):
-                raise DataError(
-                    f"{path}:{line_no}: expected a JSON object with keys {list(required_keys)}, "
-                    f"got a JSON {type(row).__name__}. Wrap the line as an object with those keys."
-                )
-            missing = [k for k in required_keys if k not in row]
-            if missing:
-                raise DataError(
-                    f"{path}:{line_no}: missing key(s) {missing}; the row has keys {sorted(row)}. "
-                    f"Add the missing key(s), or point the prompt/response key settings at the "
-                    f"columns this file uses."
-                )
-            for key in required_keys:
-                if not isinstance(row[key], str):
-                    raise DataError(
-                        f"{path}:{line_no}: {key!r} must be a string, got {type(row[key]).__name__} "
-                        f"({row[key]!r:.60}). Store the text as a JSON string."
-                    )
-            num_rows += 1
-    if num_rows == 0:
-        raise DataError(
-            f"{field_name}={str(path)!r}: the file has no rows. Fill it with one JSON object per "
-            f"line with keys {list(required_keys)}, or point {field_name} at another file."
-        )
-
-
-def read_jsonl_rows(
-    path: str | Path,
-    *,
-    field_name: str,
-    prompt_key: str = "prompt",
-    response_key: str = "response",
-) -> datasets.Dataset:
-    """Validate a prompt/response JSONL file line by line, then load it with ``datasets``.
-
-    Validation comes first because ``datasets``/pyarrow report malformed input without the
-    line number or the offending keys. ``field_name`` is the config field the path came from,
-    so errors tell the user which setting to change.
-    """
-    p = Path(path).expanduser()
-    _validate_jsonl(p, field_name=field_name, required_keys=(prompt_key, response_key))
-    with _quiet_datasets():
-        return datasets.load_dataset("json", data_files=str(p), split="train")
-
-
-def _role_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
-    vocab = tokenizer.get_vocab()
-    if USER_TOKEN in vocab and ASSISTANT_TOKEN in vocab:
-        return [vocab[USER_TOKEN]], [vocab[ASSISTANT_TOKEN]]
-    return [], []
-
-
-def tokenize_sft(
-    dataset: Any,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    prompt_key: str,
-    response_key: str,
-    seq_len: int,
+def encode_examples(
+    encoded: Sequence[Encoded], seq_len: int, max_length_policy: str = "truncate", out: SFTExamples | None = None
 ) -> SFTExamples:
-    """Tokenize prompt/response rows into fixed-role sequences with pre-shifted targets.
-
-    Layout: ``[BOS] [<|user|>] prompt [<|assistant|>] response EOS`` (bracketed parts only when
-    the tokenizer has them), right-truncated to ``seq_len``. Only response tokens and the EOS
-    are predicted. Rows whose truncation leaves nothing to predict are skipped and counted.
-    """
+    """Turn `(ids, trained)` pairs into examples: the length policy, shifted targets, skip counts."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2 to hold one input and one target, got {seq_len}")
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise ValueError("the tokenizer defines no EOS token; SFT sequences must end with EOS")
-    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-    user, assistant = _role_ids(tokenizer)
-
-    prompts = list(dataset[prompt_key])
-    responses = list(dataset[response_key])
-    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"] if prompts else []
-    response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"] if responses else []
-
-    out = SFTExamples(input_ids=[], targets=[])
-    for p_ids, r_ids in zip(prompt_ids, response_ids):
-        head = bos + user + p_ids + assistant
-        ids = head + r_ids + [eos]
+    if max_length_policy not in MAX_LENGTH_POLICIES:
+        raise DataError(f"data.max_length_policy={max_length_policy!r}: use one of {list(MAX_LENGTH_POLICIES)}.")
+    out = out if out is not None else SFTExamples(input_ids=[], targets=[])
+    for ids, trained in encoded:
         if len(ids) > seq_len:
-            ids = ids[:seq_len]
+            if max_length_policy == "drop":
+                out.num_dropped += 1
+                continue
+            ids, trained = ids[:seq_len], trained[:seq_len]
             out.num_truncated += 1
-        # Position t predicts ids[t + 1]; it is trained only when that token is past the prompt.
-        first_trained = max(len(head) - 1, 0)
-        if first_trained >= len(ids) - 1:
+        # Position t predicts ids[t + 1], and is trained when that token is.
+        targets = [nxt if keep else IGNORE_INDEX for nxt, keep in zip(ids[1:], trained[1:])] + [IGNORE_INDEX]
+        if all(t == IGNORE_INDEX for t in targets):
             out.num_skipped += 1
             continue
-        targets = [IGNORE_INDEX] * first_trained + ids[first_trained + 1 :] + [IGNORE_INDEX]
-        out.input_ids.append(ids)
+        out.input_ids.append(list(ids))
         out.targets.append(targets)
     return out
+
+
+def tokenize_rows(
+    rows: Rows,
+    formatter: ChatFormatter,
+    cols: Columns,
+    *,
+    seq_len: int,
+    max_length_policy: str = "truncate",
+    indices: Sequence[int] | None = None,
+) -> SFTExamples:
+    """Render and tokenize `rows` (or the rows at `indices`, in that order) into examples."""
+    order = list(range(len(rows))) if indices is None else list(indices)
+    ds = rows.dataset.select_columns(list(cols.required))
+    out = SFTExamples(input_ids=[], targets=[])
+    for lo in range(0, len(order), _CHUNK):
+        chunk = order[lo : lo + _CHUNK]
+        batch = ds[chunk] if indices is not None else ds[lo : lo + len(chunk)]
+        as_rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        conversations = [turns_of(r, cols) for r in as_rows]
+        where = [rows.where(i) for i in chunk]
+        encode_examples(formatter.encode(conversations, where), seq_len, max_length_policy, out)
+    return out
+
+
+def _require_examples(examples: SFTExamples, field_name: str, value: str, seq_len: int) -> None:
+    if len(examples):
+        return
+    raise DataError(
+        f"{field_name}={value!r}: no row is left to train on: {examples.num_skipped} rows have no trained token "
+        f"(no assistant turn, or the prompt fills the whole sequence of {seq_len} tokens) and "
+        f"{examples.num_dropped} were dropped as longer than trainer.seq_len. Fix: increase the sequence "
+        "length (trainer.seq_len), shorten the prompts, add assistant turns, or set "
+        "data.max_length_policy=truncate."
+    )
 
 
 def load_sft_examples(
@@ -184,16 +88,113 @@ def load_sft_examples(
     *,
     prompt_key: str = "prompt",
     response_key: str = "response",
+    messages_key: str | None = None,
     seq_len: int,
     field_name: str = "data.train_file",
+    fmt: str | None = None,
+    split: str = "train",
+    chat_template: str = "auto",
+    train_on: str = "assistant",
+    max_length_policy: str = "truncate",
 ) -> SFTExamples:
-    """Validate, load and tokenize one prompt/response JSONL file."""
-    dataset = read_jsonl_rows(path, field_name=field_name, prompt_key=prompt_key, response_key=response_key)
-    examples = tokenize_sft(dataset, tokenizer, prompt_key=prompt_key, response_key=response_key, seq_len=seq_len)
-    if len(examples) == 0:
-        raise DataError(
-            f"{field_name}={str(path)!r}: all {examples.num_skipped} rows were skipped because their "
-            f"prompts fill the whole sequence of {seq_len} tokens, leaving no response token to train on. "
-            "Increase the sequence length (trainer.seq_len) or shorten the prompts."
-        )
+    """Check, load and tokenize one source (see `load_sft_data` for the config-driven entry point)."""
+    cols = Columns(prompt_key=prompt_key, response_key=response_key, messages_key=messages_key)
+    rows = load_rows(str(path), field_name=field_name, cols=cols, fmt=fmt, split=split)
+    formatter = ChatFormatter(tokenizer, template=chat_template, train_on=train_on)
+    examples = tokenize_rows(rows, formatter, cols, seq_len=seq_len, max_length_policy=max_length_policy)
+    _require_examples(examples, field_name, str(path), seq_len)
     return examples
+
+
+def split_indices(num_rows: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, validation) row indices: a seeded random `fraction` of the rows, at least one, held out."""
+    num_val = max(1, round(num_rows * fraction))
+    if num_val >= num_rows:
+        raise DataError(
+            f"data.val_split_fraction={fraction} holds out {num_val} of the {num_rows} training rows, leaving "
+            "none to train on. Fix: lower data.val_split_fraction, or give data.val_file."
+        )
+    # Its own stream (seed offset) so the split does not repeat the first epoch's batch order.
+    perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + 7919)).tolist()
+    return sorted(perm[num_val:]), sorted(perm[:num_val])
+
+
+@dataclass
+class SFTData:
+    train: SFTExamples
+    val: Optional[SFTExamples]
+    formatter: str
+
+    def counts(self) -> dict[str, Any]:
+        return {"train": self.train.counts(), "val": None if self.val is None else self.val.counts()}
+
+    def describe(self, seq_len: int) -> str:
+        """One log line: how many examples, what was cut or left out, and packing."""
+        parts = []
+        for name, ex in (("train", self.train), ("val", self.val)):
+            if ex is None:
+                parts.append(f"{name}: none")
+                continue
+            packed = f" packed into {len(ex)} sequences" if ex.packed else ""
+            parts.append(
+                f"{name}: {ex.num_documents} examples{packed} ({ex.num_truncated} truncated to seq_len={seq_len}, "
+                f"{ex.num_dropped} dropped as longer, {ex.num_skipped} skipped with nothing to train on)"
+            )
+        return f"{'; '.join(parts)}; {self.formatter}"
+
+
+def load_sft_data(data_cfg: Any, tokenizer: PreTrainedTokenizerBase, *, seq_len: int, seed: int) -> SFTData:
+    """Train and validation examples as the `data` config says, packed when `data.packing`.
+
+    Every rank loads everything (the data is small next to the model, and each rank then raises
+    the same error for a bad row). Hub datasets are fetched by rank 0 first, so the other ranks
+    read its cache rather than all downloading into it at once.
+    """
+    hub = any(
+        value is not None and source_format(value, data_cfg.format) == "hub"
+        for value in (data_cfg.train_file, data_cfg.val_file)
+    )
+    if not (hub and dist.is_initialized() and dist.get_world_size() > 1):
+        return _load_sft_data(data_cfg, tokenizer, seq_len=seq_len, seed=seed)
+    failure: BaseException | None = None
+    result = None
+    if dist.get_rank() == 0:
+        try:
+            result = _load_sft_data(data_cfg, tokenizer, seq_len=seq_len, seed=seed)
+        except Exception as e:  # re-raised below, once the others are released to fail on their own
+            failure = e
+    dist.barrier()
+    if failure is not None:
+        raise failure
+    if result is None:
+        result = _load_sft_data(data_cfg, tokenizer, seq_len=seq_len, seed=seed)
+    return result
+
+
+def _load_sft_data(data_cfg: Any, tokenizer: PreTrainedTokenizerBase, *, seq_len: int, seed: int) -> SFTData:
+    cols = Columns.from_config(data_cfg)
+    formatter = ChatFormatter(tokenizer, template=data_cfg.chat_template, train_on=data_cfg.train_on)
+    kw = dict(seq_len=seq_len, max_length_policy=data_cfg.max_length_policy)
+
+    train_rows = load_rows(data_cfg.train_file, field_name="data.train_file", cols=cols, fmt=data_cfg.format,
+                           split=data_cfg.train_split)
+    val: Optional[SFTExamples] = None
+    if data_cfg.val_file is not None:
+        train = tokenize_rows(train_rows, formatter, cols, **kw)
+        val_rows = load_rows(data_cfg.val_file, field_name="data.val_file", cols=cols, fmt=data_cfg.format,
+                             split=data_cfg.val_split)
+        val = tokenize_rows(val_rows, formatter, cols, **kw)
+        _require_examples(val, "data.val_file", data_cfg.val_file, seq_len)
+    elif data_cfg.val_split_fraction > 0:
+        train_idx, val_idx = split_indices(len(train_rows), data_cfg.val_split_fraction, seed)
+        train = tokenize_rows(train_rows, formatter, cols, indices=train_idx, **kw)
+        val = tokenize_rows(train_rows, formatter, cols, indices=val_idx, **kw)
+        _require_examples(val, "data.val_split_fraction", str(data_cfg.val_split_fraction), seq_len)
+    else:
+        train = tokenize_rows(train_rows, formatter, cols, **kw)
+    _require_examples(train, "data.train_file", data_cfg.train_file, seq_len)
+
+    if data_cfg.packing:
+        train = pack_examples(train, seq_len, seed=seed)
+        val = None if val is None else pack_examples(val, seq_len, seed=seed)
+    return SFTData(train=train, val=val, formatter=describe(formatter))

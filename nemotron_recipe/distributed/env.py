@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +21,10 @@ DEVICE_CHOICES = ("auto", "cpu", "cuda")
 # After a failure on some ranks the others may never reach the barrier; waiting this long keeps a
 # failed run from hanging until the collective timeout before torchrun can report it.
 _FAILURE_BARRIER_TIMEOUT = datetime.timedelta(seconds=30)
+
+# Counts the default groups this process has created; every rank runs the same jobs in the same
+# order, so all ranks agree on it.
+_GROUP_GENERATION = itertools.count()
 
 
 class DistributedSetupError(RuntimeError):
@@ -94,7 +99,15 @@ def init_distributed(device: str = "auto") -> DistEnv:
         # Binding the GPU up front lets NCCL initialise eagerly and barriers know their device.
         device_id = torch_device if device_type == "cuda" else None
         if _launched_by_torchrun():
-            dist.init_process_group(backend=backend, device_id=device_id)
+            # A Hydra sweep re-creates the group once per job in the same processes, against the
+            # same launcher store. torch names every new default group alike, so gloo would find
+            # the previous job's peer addresses under its keys and may hang dialling dead ports;
+            # each generation of the group therefore gets keys of its own.
+            store, _, _ = next(dist.rendezvous("env://"))
+            store = dist.PrefixStore(f"nemotron_recipe/{next(_GROUP_GENERATION)}", store)
+            dist.init_process_group(
+                backend=backend, store=store, rank=rank, world_size=world_size, device_id=device_id
+            )
         else:
             # An in-process store needs no free port and no rendezvous, so single runs (and tests
             # running several recipes in one interpreter) never collide.

@@ -18,19 +18,22 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from nemotron_recipe.config import ConfigError, model_overrides, validate_config, validate_data_parallel
+from nemotron_recipe.config import ConfigError, validate_config, validate_data_parallel
 from nemotron_recipe.data import (
     GlobalBatchPlan,
     collate,
-    load_sft_examples,
+    load_sft_data,
     load_tokenizer,
     val_batches,
 )
 from nemotron_recipe.distributed.env import distributed
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
-from nemotron_recipe.training.logging import MetricsWriter, print_summary
+from nemotron_recipe.training.checkpoint import Checkpointer
+from nemotron_recipe.training.hf_io import build_meta_model, load_hf_sharded
+from nemotron_recipe.training.logging import MetricsWriter, earlier_val_losses, print_summary
 from nemotron_recipe.training.loss import IGNORE_INDEX, cross_entropy_sum, local_value, loss_parallel_for
 from nemotron_recipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from nemotron_recipe.training.preemption import StopConditions
 from nemotron_recipe.training.setup import DataLayout, build_device_mesh, data_layout, parallelize_model
 
 log = logging.getLogger(__name__)
@@ -43,10 +46,13 @@ def _all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
 
 def build_model(cfg: Any, model_config: NemotronHConfig) -> NemotronHForCausalLM:
     """The full (unsharded) model on CPU: every rank builds the same weights from the same seed,
-    and parallelization moves each rank's shard to its device."""
+    and parallelization moves each rank's shard to its device.
+
+    With `model.pretrained` the model is built on the meta device instead: each rank reads its own
+    shards from the checkpoint once the model is parallelized (`load_hf_sharded`)."""
     torch.manual_seed(cfg.seed)
     if cfg.model.pretrained:
-        return NemotronHForCausalLM.from_pretrained(cfg.model.pretrained, **model_overrides(cfg.model))
+        return build_meta_model(model_config)
     return NemotronHForCausalLM(model_config)
 
 
@@ -61,7 +67,11 @@ def evaluate(
         for i, batch in enumerate(batches):
             if max_batches is not None and i >= max_batches:
                 break
-            logits = model(layout.shard(batch["input_ids"]).to(device)).logits
+            docs = batch.get("document_ids")  # only packed data has them
+            logits = model(
+                layout.shard(batch["input_ids"]).to(device),
+                document_ids=None if docs is None else layout.shard(docs).to(device),
+            ).logits
             with loss_parallel_for(logits):
                 loss_sum, count = cross_entropy_sum(logits, layout.shard(batch["targets"]))
             totals[0] += local_value(loss_sum).double()
@@ -85,6 +95,11 @@ def run(cfg: Any) -> dict[str, Any]:
         mesh = build_device_mesh(cfg, env.world_size, env.device.type)
         layout = data_layout(mesh)
         validate_data_parallel(cfg, layout.dp_size)
+        # Before any data or model work: a checkpoint that cannot be resumed fails the run at once.
+        checkpointer = Checkpointer(
+            cfg, run_dir, rank=env.rank, world_size=env.world_size, device=env.device,
+            mesh_shape=dict(zip(mesh.mesh_dim_names or (), mesh.shape)), model_config=model_config,
+        )
 
         tokenizer = load_tokenizer(cfg.data.tokenizer)
         if len(tokenizer) > model_config.vocab_size:
@@ -93,13 +108,8 @@ def run(cfg: Any) -> dict[str, Any]:
                 f"tokens (data.tokenizer={cfg.data.tokenizer!r}). Fix: set model.vocab_size>={len(tokenizer)} "
                 "or use the model's own tokenizer."
             )
-        data_kw = dict(prompt_key=cfg.data.prompt_key, response_key=cfg.data.response_key, seq_len=t.seq_len)
-        train = load_sft_examples(cfg.data.train_file, tokenizer, field_name="data.train_file", **data_kw)
-        val = (
-            load_sft_examples(cfg.data.val_file, tokenizer, field_name="data.val_file", **data_kw)
-            if cfg.data.val_file
-            else None
-        )
+        data = load_sft_data(cfg.data, tokenizer, seq_len=t.seq_len, seed=cfg.seed)
+        train, val = data.train, data.val
         pad_id = tokenizer.pad_token_id
         plan = GlobalBatchPlan(
             len(train), t.global_batch_size, t.micro_batch_size, layout.dp_rank, layout.dp_size, cfg.seed
@@ -107,10 +117,7 @@ def run(cfg: Any) -> dict[str, Any]:
         val_data = None
         if val is not None:
             val_data = val_batches(val, t.micro_batch_size, layout.dp_rank, layout.dp_size, t.seq_len, pad_id)
-        log.info(
-            "data: %d train / %d val examples (%d truncated to seq_len=%d), %d micro-batch(es) per rank per step",
-            len(train), 0 if val is None else len(val), train.num_truncated, t.seq_len, plan.grad_accum_steps,
-        )
+        log.info("data: %s; %d micro-batch(es) per rank per step", data.describe(t.seq_len), plan.grad_accum_steps)
 
         model = build_model(cfg, model_config)
         num_parameters = model.num_parameters()
@@ -120,9 +127,16 @@ def run(cfg: Any) -> dict[str, Any]:
             dict(zip(mesh.mesh_dim_names or (), mesh.shape)),
         )
         model = parallelize_model(model, mesh, cfg)
+        if cfg.model.pretrained:
+            shard_device = torch.device("cpu") if cfg.fsdp.offload else env.device
+            if checkpointer.resume_from is None:
+                load_hf_sharded(model, cfg.model.pretrained, shard_device)
+            else:  # every tensor comes from the training checkpoint
+                model.to_empty(device=shard_device)
         model.train()
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.optim, t.max_steps)
+        start_step = checkpointer.load(model, optimizer, scheduler)
         params = [p for p in model.parameters() if p.requires_grad]
 
         writer = MetricsWriter(
@@ -132,8 +146,9 @@ def run(cfg: Any) -> dict[str, Any]:
             progress_bar=cfg.logger.console.progress_bar,
             wandb_cfg=cfg.logger.wandb,
             config=OmegaConf.to_container(cfg, resolve=True) if env.is_main else None,
+            resume_step=start_step,
         )
-        val_history: list[tuple[int, float]] = []
+        val_history = earlier_val_losses(run_dir, start_step)
 
         def validate(step: int) -> float:
             """Runs and logs a validation pass; returns the seconds it took."""
@@ -149,14 +164,21 @@ def run(cfg: Any) -> dict[str, Any]:
         # Input positions (padding included) of the whole global batch: what the model computes on.
         # Trained tokens (targets != -100) are reported separately.
         tokens_per_step = t.global_batch_size * t.seq_len
+        # stop_at_step ends the run early but leaves the LR schedule to max_steps.
+        end_step = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
+        stop = StopConditions(max_minutes=t.max_minutes, started=start, device=env.device)
+        stopped: str | None = None
+        done = start_step
         failed = True
         try:
-            validate(0)
+            stop.install()
+            if start_step == 0:  # a resumed run's earlier validation rows are already in its metrics
+                validate(0)
             train_start = window_start = time.perf_counter()
             window_steps = window_trained = total_trained = 0
             val_seconds = 0.0  # spent validating inside the loop, kept out of the throughput
             loss_value = float("nan")
-            for step in range(t.max_steps):
+            for step in range(start_step, end_step):
                 micro_batches = [
                     {k: layout.shard(v) for k, v in collate(train, idx, t.seq_len, pad_id).items()}
                     for idx in plan.indices_for_step(step)
@@ -168,7 +190,12 @@ def run(cfg: Any) -> dict[str, Any]:
 
                 loss_total = torch.zeros((), dtype=torch.float32, device=env.device)
                 for batch in micro_batches:
-                    logits = model(batch["input_ids"].to(env.device)).logits
+                    # Packed batches carry document_ids (already sharded like the inputs); others run
+                    # the model's single-document path.
+                    docs = batch.get("document_ids")
+                    logits = model(
+                        batch["input_ids"].to(env.device), document_ids=None if docs is None else docs.to(env.device)
+                    ).logits
                     with loss_parallel_for(logits):
                         loss_sum, _ = cross_entropy_sum(logits, batch["targets"])
                         (loss_sum / denominator).backward()
@@ -204,18 +231,36 @@ def run(cfg: Any) -> dict[str, Any]:
                     seconds = validate(done)
                     val_seconds += seconds
                     window_start += seconds
-            train_time = time.perf_counter() - train_start - val_seconds
-            validate(t.max_steps)
+                stopped = stop.poll() or ("stop_at_step" if done == end_step < t.max_steps else None)
+                if stopped or checkpointer.due(done, t.max_steps):
+                    checkpointer.save(done, model, optimizer, scheduler)
+                if stopped:
+                    log.warning("stopping after step %d (%s%s)", done, stopped,
+                                f": {stop.received}" if stopped == "signal" else "")
+                    break
+            if stopped is None and done < t.max_steps:  # resumed at or past stop_at_step
+                stopped = "stop_at_step"
+            train_time = max(time.perf_counter() - train_start - val_seconds, 1e-9)
+            hf_dir = None
+            if not stopped:
+                validate(t.max_steps)
+                if cfg.checkpoint.export_hf:
+                    hf_dir = str(checkpointer.export_last(run_dir / "hf"))
 
             first = val_history[0][1] if val_history else None
             last = val_history[-1][1] if val_history else None
             summary = {
-                "steps": t.max_steps,
+                "steps": done,
+                "stopped": stopped,
+                "stop_signal": stop.received if stopped == "signal" else None,
+                "resumed_from": start_step or None,
+                "checkpoint": None if checkpointer.last_saved is None else str(checkpointer.last_saved),
+                "hf_export": hf_dir,
                 "first_val_loss": first,
                 "last_val_loss": last,
                 "val_loss_ratio": (last / first) if first else None,
                 "final_loss": loss_value,
-                "tokens_per_s": t.max_steps * tokens_per_step / train_time,
+                "tokens_per_s": (done - start_step) * tokens_per_step / train_time,
                 "trained_tokens_per_s": total_trained / train_time,
                 "train_time_s": train_time,
                 "wall_time_s": time.perf_counter() - start,
@@ -223,10 +268,12 @@ def run(cfg: Any) -> dict[str, Any]:
                 "world_size": env.world_size,
                 "mesh": dict(zip(mesh.mesh_dim_names or (), mesh.shape)),
                 "num_parameters": num_parameters,
+                "data": data.counts(),
             }
             writer.write_summary(summary)
             failed = False
         finally:
+            stop.restore()
             writer.close(failed=failed)
         if env.is_main:
             print_summary(summary)

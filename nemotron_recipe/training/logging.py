@@ -40,6 +40,7 @@ class MetricsWriter:
         progress_bar: bool,
         wandb_cfg: Any = None,
         config: dict[str, Any] | None = None,
+        resume_step: int = 0,
     ) -> None:
         self.enabled = enabled
         self.run_dir = run_dir
@@ -50,14 +51,16 @@ class MetricsWriter:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(run_dir / "metrics.jsonl", "w", encoding="utf-8")
+        # A resumed run adds to the rows of the runs before it, never rewrites them.
+        self._file = open(run_dir / "metrics.jsonl", "a" if resume_step else "w", encoding="utf-8")
         if wandb_cfg is not None and wandb_cfg.mode != "disabled":
             self._wandb_run = _init_wandb(run_dir, wandb_cfg, config)
         if progress_bar:
             from tqdm.auto import tqdm
             from tqdm.contrib.logging import logging_redirect_tqdm
 
-            self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+            self._bar = tqdm(total=total_steps, initial=resume_step, desc="train", unit="step", dynamic_ncols=True,
+                             file=sys.stderr)
             # Log lines (validation, warnings) printed while the bar is drawn would break it apart.
             self._redirect = contextlib.ExitStack()
             self._redirect.enter_context(logging_redirect_tqdm())
@@ -149,4 +152,26 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"wall time        {f('wall_time_s', '{:.1f}')} s (training {f('train_time_s', '{:.1f}')} s)",
         f"run dir          {summary['run_dir']}",
     ]
+    if summary.get("resumed_from") is not None:
+        lines.insert(3, f"resumed from     step {summary['resumed_from']}")
+    if summary.get("stopped"):
+        lines.insert(3, f"stopped early    {summary['stopped']} (checkpoint {summary.get('checkpoint')})")
+    elif summary.get("checkpoint"):
+        lines.append(f"checkpoint       {summary['checkpoint']}")
     print("\n".join(lines), flush=True)
+
+
+def earlier_val_losses(run_dir: Path, up_to_step: int) -> list[tuple[int, float]]:
+    """(step, val_loss) rows that earlier runs of a resumed run wrote to its metrics, up to `up_to_step`."""
+    path = run_dir / "metrics.jsonl"
+    if not up_to_step or not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(ValueError):
+            row = json.loads(line)
+            if not isinstance(row, dict) or row.get("val_loss") is None:
+                continue
+            if isinstance(row.get("step"), int) and row["step"] <= up_to_step:
+                rows.append((row["step"], row["val_loss"]))
+    return rows

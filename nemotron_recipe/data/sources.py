@@ -1,0 +1,397 @@
+"""Where SFT rows come from: local JSONL / JSON / Parquet / CSV files or Hugging Face hub datasets.
+
+Every source is read through `datasets`, but each row is checked here first (or, for formats
+`datasets` reads in bulk, right after) so that a malformed row is reported with its file and
+row number and a fix, rather than as a pyarrow error deep inside a loader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import datasets
+
+FILE_FORMATS = ("jsonl", "json", "parquet", "csv")
+FORMATS = (*FILE_FORMATS, "hub")
+_EXTENSIONS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}
+# `datasets` names its JSON Lines builder "json".
+_BUILDERS = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}
+# A hub dataset id: "org/name", nothing that looks like a relative path to a data file.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+ROLES = ("system", "user", "assistant")
+TRAIN_ON = ("assistant", "last_assistant", "all")
+MAX_LENGTH_POLICIES = ("truncate", "drop")
+
+
+class DataError(ValueError):
+    """A data source is missing or malformed; the message says where and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Columns:
+    """Which columns a row must have: prompt/response text, or one column of chat turns."""
+
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    messages_key: Optional[str] = None
+    role_key: str = "role"
+    content_key: str = "content"
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages_key is not None
+
+    @property
+    def required(self) -> tuple[str, ...]:
+        return (self.messages_key,) if self.messages_key is not None else (self.prompt_key, self.response_key)
+
+    @classmethod
+    def from_config(cls, data_cfg: Any) -> "Columns":
+        return cls(
+            prompt_key=data_cfg.prompt_key,
+            response_key=data_cfg.response_key,
+            messages_key=getattr(data_cfg, "messages_key", None),
+            role_key=getattr(data_cfg, "role_key", "role"),
+            content_key=getattr(data_cfg, "content_key", "content"),
+        )
+
+
+@dataclass
+class Rows:
+    """Validated rows and how to name row `i` in an error message."""
+
+    dataset: datasets.Dataset
+    where: Callable[[int], str]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+# ------------------------------------------------------------------------------- resolving sources
+def looks_like_hub_id(value: str) -> bool:
+    return bool(_HUB_ID.match(value)) and Path(value).suffix.lower() not in _EXTENSIONS
+
+
+def source_format(value: str, fmt: Optional[str]) -> str:
+    """`fmt` when given, else the format a local path's extension names, else "hub" for a hub id."""
+    if fmt:
+        return fmt
+    p = Path(value).expanduser()
+    if p.exists() or not looks_like_hub_id(value):
+        return _EXTENSIONS.get(p.suffix.lower(), "")
+    return "hub"
+
+
+def check_data_config(data_cfg: Any) -> list[str]:
+    """Problems in the `data` settings that can be found without reading any data."""
+    errors: list[str] = []
+    fmt = data_cfg.format
+    if fmt is not None and fmt not in FORMATS:
+        errors.append(f"data.format={fmt!r}: unknown format. Fix: use one of {list(FORMATS)}, or null to "
+                      "infer it from the file extension.")
+        fmt = None
+    for name in ("train_file", "val_file"):
+        value = getattr(data_cfg, name)
+        if value is None:
+            if name == "train_file":
+                errors.append("data.train_file is null. Fix: point it at a data file or a hub dataset name.")
+            continue
+        field_name = f"data.{name}"
+        kind = source_format(value, fmt)
+        p = Path(value).expanduser()
+        if kind == "hub":
+            if p.exists() or not _HUB_ID.match(value):
+                errors.append(f"{field_name}={value!r}: with data.format=hub it must be a hub dataset id "
+                              "like 'org/name'. Fix: set data.format to the file's format, or null.")
+            continue
+        if not p.is_file():
+            what = "is a directory, not a file" if p.is_dir() else "does not exist"
+            errors.append(
+                f"{field_name}={value!r}: {what} (relative paths resolve against the launch directory). "
+                f"Fix: point {field_name} at an existing .jsonl/.json/.parquet/.csv file, or at a Hugging "
+                "Face hub dataset as 'org/name'."
+            )
+        elif not kind:
+            errors.append(
+                f"{field_name}={value!r}: cannot tell the format from the extension {p.suffix!r}. Fix: set "
+                f"data.format to one of {list(FILE_FORMATS)}."
+            )
+    fraction = data_cfg.val_split_fraction
+    if not 0.0 <= fraction < 1.0:
+        errors.append(f"data.val_split_fraction={fraction}: must lie in [0, 1). Fix: e.g. 0.05, or 0 for none.")
+    elif fraction > 0 and data_cfg.val_file is not None:
+        errors.append(
+            f"data.val_split_fraction={fraction} and data.val_file={data_cfg.val_file!r} both choose a "
+            "validation set. Fix: set data.val_file=null to hold out part of the training data, or "
+            "data.val_split_fraction=0 to use the file."
+        )
+    if data_cfg.messages_key is not None and not data_cfg.messages_key:
+        errors.append(
+            "data.messages_key='': empty. Fix: name the column of chat turns, or null for prompt/response rows."
+        )
+    for name, choices in (("train_on", TRAIN_ON), ("max_length_policy", MAX_LENGTH_POLICIES)):
+        if getattr(data_cfg, name) not in choices:
+            errors.append(f"data.{name}={getattr(data_cfg, name)!r}: unknown value. Fix: use one of {list(choices)}.")
+    template = data_cfg.chat_template
+    if template not in ("auto", "builtin") and "{" not in template:
+        errors.append(
+            f"data.chat_template={template!r}: neither 'auto', 'builtin' nor a Jinja template. Fix: use "
+            "auto (the tokenizer's template, else the built-in format), builtin, or a template string."
+        )
+    return errors
+
+
+# ------------------------------------------------------------------------------- row checks
+def _check_turns(turns: Any, where: str, cols: Columns) -> list[dict[str, Any]]:
+    key = cols.messages_key
+    if isinstance(turns, str):
+        # CSV cells (and some exports) hold the conversation as a JSON string.
+        try:
+            turns = json.loads(turns)
+        except json.JSONDecodeError as e:
+            raise DataError(
+                f"{where}: {key!r} is a string that is not JSON ({e.msg}). Fix: store a list of "
+                f"{{{cols.role_key!r}: ..., {cols.content_key!r}: ...}} turns."
+            ) from e
+    if not isinstance(turns, list):
+        raise DataError(
+            f"{where}: {key!r} must be a list of {{{cols.role_key!r}, {cols.content_key!r}}} turns, got "
+            f"{type(turns).__name__}. Fix: store the conversation as a list of turn objects."
+        )
+    for n, turn in enumerate(turns, 1):
+        if not isinstance(turn, dict) or cols.role_key not in turn or cols.content_key not in turn:
+            have = sorted(turn) if isinstance(turn, dict) else type(turn).__name__
+            raise DataError(
+                f"{where}: turn {n} of {key!r} must be an object with keys {cols.role_key!r} and "
+                f"{cols.content_key!r}, got {have}. Fix: rename the keys, or set data.role_key / "
+                "data.content_key to the ones this file uses."
+            )
+        role, content = turn[cols.role_key], turn[cols.content_key]
+        if role not in ROLES:
+            raise DataError(
+                f"{where}: turn {n} has unknown role {role!r}. Fix: use one of {list(ROLES)} "
+                "(map other roles, e.g. 'human'->'user', 'gpt'->'assistant', before training)."
+            )
+        if not isinstance(content, str):
+            raise DataError(
+                f"{where}: turn {n} ({role}) content must be a string, got {type(content).__name__}. "
+                "Fix: store the text of each turn as a string."
+            )
+    return turns
+
+
+def check_row(row: Any, where: str, cols: Columns) -> None:
+    """Raise a `DataError` naming `where` unless `row` has the columns and types `cols` asks for."""
+    if not isinstance(row, dict):
+        raise DataError(
+            f"{where}: expected a JSON object with keys {list(cols.required)}, got a JSON {type(row).__name__}. "
+            "Fix: wrap the row as an object with those keys."
+        )
+    missing = [k for k in cols.required if k not in row]
+    if missing:
+        raise DataError(
+            f"{where}: missing key(s) {missing}; the row has keys {sorted(row)}. Fix: add them, or point "
+            "data.prompt_key/data.response_key (or data.messages_key for chat rows) at the columns this "
+            "file uses."
+        )
+    if cols.is_chat:
+        _check_turns(row[cols.messages_key], where, cols)
+        return
+    for key in cols.required:
+        if not isinstance(row[key], str):
+            raise DataError(
+                f"{where}: {key!r} must be a string, got {type(row[key]).__name__} ({row[key]!r:.60}). "
+                "Fix: store the text as a string."
+            )
+
+
+def turns_of(row: dict[str, Any], cols: Columns) -> list[dict[str, str]]:
+    """The row as chat turns with the standard `role`/`content` keys (prompt/response rows too)."""
+    if not cols.is_chat:
+        return [{"role": "user", "content": row[cols.prompt_key]},
+                {"role": "assistant", "content": row[cols.response_key]}]
+    turns = row[cols.messages_key]
+    if isinstance(turns, str):
+        turns = json.loads(turns)
+    return [{"role": t[cols.role_key], "content": t[cols.content_key]} for t in turns]
+
+
+# ------------------------------------------------------------------------------- loading
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    # Every rank loads the data, so per-load progress bars would flood the logs.
+    was_disabled = datasets.utils.are_progress_bars_disabled()
+    datasets.utils.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            datasets.utils.enable_progress_bars()
+
+
+def _no_rows(field_name: str, value: str, cols: Columns) -> DataError:
+    return DataError(
+        f"{field_name}={value!r}: the data set has no rows. Fix: fill it with rows holding "
+        f"{list(cols.required)}, or point {field_name} at another source."
+    )
+
+
+def _check_jsonl(path: Path, cols: Columns) -> list[int]:
+    """Check every line; returns the line number of each row (blank lines hold none)."""
+    line_of_row: list[int] = []
+    with open(path, encoding="utf-8") as f:
+        line_no = 0
+        while True:
+            line_no += 1
+            try:
+                line = f.readline()
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{line_no}: not valid UTF-8 ({e}). Fix: re-encode the file as UTF-8.") from e
+            if not line:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{path}:{line_no}: invalid JSON ({e.msg} at column {e.colno}). Fix: make each line one "
+                    "complete JSON object, or remove this line."
+                ) from e
+            check_row(row, f"{path}:{line_no}", cols)
+            line_of_row.append(line_no)
+    return line_of_row
+
+
+def _check_json(path: Path, cols: Columns) -> list[str]:
+    """Check every row of a JSON array (or of JSON Lines saved as .json); returns each row's location."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not valid UTF-8 ({e}). Fix: re-encode the file as UTF-8.") from e
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as e:
+        if text.lstrip().startswith("["):
+            raise DataError(
+                f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno}). Fix: the file must be one "
+                "JSON array of row objects (or JSON Lines, one object per line)."
+            ) from e
+        # Many .json files are JSON Lines in disguise, and `datasets` reads them as such.
+        return [f"{path}:{line}" for line in _check_jsonl(path, cols)]
+    if not isinstance(rows, list):
+        raise DataError(
+            f"{path}: expected a JSON array of row objects, got a JSON {type(rows).__name__}. Fix: store the "
+            "rows as [{...}, {...}] or as JSON Lines."
+        )
+    where = [f"{path}: row {i + 1}" for i in range(len(rows))]
+    for row, w in zip(rows, where):
+        check_row(row, w, cols)
+    return where
+
+
+def _check_dataset(ds: datasets.Dataset, label: str, cols: Columns) -> None:
+    missing = [k for k in cols.required if k not in ds.column_names]
+    if missing:
+        raise DataError(
+            f"{label}: missing column(s) {missing}; it has columns {ds.column_names}. Fix: rename them, or "
+            "point data.prompt_key/data.response_key (or data.messages_key for chat rows) at these columns."
+        )
+    for i, row in enumerate(ds.select_columns(list(cols.required))):
+        check_row(row, f"{label}: row {i + 1}", cols)
+
+
+def _has_no_rows(path: Path, kind: str) -> bool:
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    try:
+        if kind == "parquet":
+            return pq.ParquetFile(path).metadata.num_rows == 0
+        return pd.read_csv(path, nrows=1).empty
+    except pd.errors.EmptyDataError:
+        return True
+    except Exception:  # unreadable: `datasets` then reports it, with the file name
+        return False
+
+
+def load_rows(
+    value: str,
+    *,
+    field_name: str,
+    cols: Columns,
+    fmt: Optional[str] = None,
+    split: str = "train",
+) -> Rows:
+    """Read and check one source: a local file (format from `fmt` or its extension) or a hub id."""
+    kind = source_format(value, fmt)
+    if kind == "hub":
+        return _load_hub(value, field_name=field_name, cols=cols, split=split)
+    p = Path(value).expanduser()
+    if not p.is_file():
+        what = "is a directory, not a file" if p.is_dir() else "does not exist"
+        raise DataError(
+            f"{field_name}={value!r}: {what}. Fix: set {field_name} to a .jsonl/.json/.parquet/.csv file with "
+            f"{list(cols.required)} in each row (relative paths resolve against the launch directory)."
+        )
+    if kind not in FILE_FORMATS:
+        raise DataError(
+            f"{field_name}={value!r}: cannot tell the format from the extension {p.suffix!r}. Fix: set "
+            f"data.format to one of {list(FILE_FORMATS)}."
+        )
+    where: Callable[[int], str] = lambda i: f"{p}: row {i + 1}"  # noqa: E731
+    if kind in ("jsonl", "json"):
+        # Checked before `datasets` sees the file: its JSON reader names neither line nor key.
+        if kind == "jsonl":
+            locations = [f"{p}:{line}" for line in _check_jsonl(p, cols)]
+        else:
+            locations = _check_json(p, cols)
+        if not locations:
+            raise _no_rows(field_name, value, cols)
+        where = locations.__getitem__
+    elif _has_no_rows(p, kind):
+        # `datasets` fails on row-less Parquet and CSV files with errors that do not say so.
+        raise _no_rows(field_name, value, cols)
+    try:
+        with _quiet_datasets():
+            ds = datasets.load_dataset(_BUILDERS[kind], data_files=str(p), split="train")
+    except Exception as e:  # pyarrow and pandas raise many unrelated types for unreadable files
+        raise DataError(
+            f"{field_name}={value!r}: `datasets` could not read it as {kind} ({type(e).__name__}: {e}). "
+            f"Fix: check the file is valid {kind}, or set data.format to its real format."
+        ) from e
+    if kind in ("csv", "parquet"):
+        _check_dataset(ds, str(p), cols)
+    if len(ds) == 0:
+        raise _no_rows(field_name, value, cols)
+    return Rows(ds, where)
+
+
+def _load_hub(name: str, *, field_name: str, cols: Columns, split: str) -> Rows:
+    split_field = "data.val_split" if field_name == "data.val_file" else "data.train_split"
+    try:
+        with _quiet_datasets():
+            ds = datasets.load_dataset(name, split=split)
+    except Exception as e:  # offline, unknown name, unknown split, gated...: all end the same way
+        raise DataError(
+            f"{field_name}={name!r}: could not load this Hugging Face hub dataset ({split_field}={split!r}): "
+            f"{type(e).__name__}: {str(e)[:300]}. Fix: check the name, the split and network access (set "
+            "HF_DATASETS_OFFLINE=1 to use a cached copy), or download it and point "
+            f"{field_name} at a local .jsonl/.json/.parquet/.csv file."
+        ) from e
+    if not isinstance(ds, datasets.Dataset):
+        raise DataError(
+            f"{field_name}={name!r}: loading split {split!r} gave a {type(ds).__name__}, not one table. "
+            f"Fix: set {split_field} to one split name (e.g. 'train')."
+        )
+    label = f"{name} [{split}]"
+    _check_dataset(ds, label, cols)
+    if len(ds) == 0:
+        raise _no_rows(field_name, name, cols)
+    return Rows(ds, lambda i: f"{label}: row {i + 1}")

@@ -1,0 +1,369 @@
+"""Training checkpoints: sharded save, exact resume on any mesh, crash-safe publication.
+
+Layout under `checkpoint.dir` (default `<run_dir>/checkpoints`):
+
+    step_000010/
+        .metadata, __<rank>_0.distcp   torch.distributed.checkpoint (DCP): model, optimizer, RNG
+        meta.json                       step, world size, mesh, model config, LR schedule, data
+
+Every rank writes its own shards into `step_000010.tmp-<id>/`. Once all ranks are done, rank 0
+writes meta.json and renames the directory to its final name. Readers trust only a final name
+holding meta.json, so a run killed mid-save leaves the previous checkpoint as the newest complete
+one, and the partial directory is removed at the next successful save.
+
+Model and optimizer go through `get_state_dict`/`set_state_dict`: tensors are keyed by parameter
+names that do not depend on the mesh (activation-checkpoint wrappers are stripped, optimizer state
+is keyed by those names rather than by parameter position) and stored as pieces of the global
+tensors, so DCP reshards them onto whatever mesh loads them, a single process included. The data
+position is the step alone: the batch plan is a pure function of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from nemotron_recipe.models.nemotron_v3 import CheckpointError, NemotronHConfig
+
+log = logging.getLogger(__name__)
+
+META = "meta.json"
+FORMAT_VERSION = 1
+TMP_MARK = ".tmp-"
+_FINAL_NAME = re.compile(r"^step_(\d+)$")
+# Flattened optimizer state names each hyperparameter per parameter name, so the layout of the
+# param groups on the saving side never has to match the loading side's.
+STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+# "STEP:SECONDS": sleep that long after the shards of step STEP are written and before they are
+# published, so a test can kill a run in the one window where a checkpoint is half done.
+PUBLISH_DELAY_ENV = "NR_CHECKPOINT_PUBLISH_DELAY"
+
+T = TypeVar("T")
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every published checkpoint under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        m = _FINAL_NAME.match(path.name)
+        if m and path.is_dir() and (path / META).is_file():
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory itself, or the newest complete one inside `path` or `path/checkpoints`."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CheckpointError(f"{p}: does not exist. Fix: point at a `step_N` checkpoint directory or its parent.")
+    if (p / META).is_file():
+        return p
+    found = complete_checkpoints(p) or complete_checkpoints(p / "checkpoints")
+    if found:
+        return found[-1][1]
+    raise CheckpointError(
+        f"{p}: not a complete checkpoint (a `step_N` directory holding {META}; a `{TMP_MARK}` directory is "
+        "an interrupted save) and no directory inside holds one."
+    )
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    file = path / META
+    try:
+        meta = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no {META}, so not a complete checkpoint.") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: unreadable ({e}).") from None
+    missing = [k for k in ("format", "step", "world_size", "model", "scheduler") if k not in meta]
+    if missing:
+        raise CheckpointError(f"{file}: lacks {missing}; not written by this recipe or damaged.")
+    if meta["format"] != FORMAT_VERSION:
+        raise CheckpointError(f"{file}: format {meta['format']}, this code reads format {FORMAT_VERSION}.")
+    return meta
+
+
+def check_model_config(path: Path, meta: dict[str, Any], model_config: NemotronHConfig) -> None:
+    """Refuse a checkpoint of another model before any tensor is read."""
+    saved = meta["model"]
+    ours = dataclasses.asdict(model_config)
+    diffs = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
+    diffs |= {k: (saved[k], None) for k in saved.keys() - ours.keys()}
+    if diffs:
+        listed = ", ".join(f"{k}: {a!r} in the checkpoint, {b!r} in this run" for k, (a, b) in sorted(diffs.items()))
+        raise CheckpointError(
+            f"{path}: saved for another model ({listed}). Fix: resume with the model settings it was saved "
+            "with, or train afresh with checkpoint.resume=none and a checkpoint.dir of its own."
+        )
+
+
+def read_dcp_metadata(path: Path) -> Metadata:
+    """DCP's index of the checkpoint, after checking that every data file it names is there in full."""
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"{path}: missing file .metadata (the DCP index); the checkpoint is damaged.")
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unreadable index is the same problem to the user
+        raise CheckpointError(f"{path}: unreadable .metadata ({type(e).__name__}: {e}).") from None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    missing = sorted(name for name in needed if not (path / name).is_file())
+    if missing:
+        raise CheckpointError(f"{path}: missing file(s) {missing}; the checkpoint is damaged.")
+    short = sorted(name for name, size in needed.items() if (path / name).stat().st_size < size)
+    if short:
+        raise CheckpointError(f"{path}: truncated file(s) {short}; the checkpoint is damaged.")
+    return metadata
+
+
+def check_tensors(path: Path, metadata: Metadata, state: dict[str, dict[str, Any]]) -> None:
+    """Every tensor `state` expects is in the checkpoint with its global shape (DTensors report theirs)."""
+    saved = metadata.state_dict_metadata
+    missing, bad = [], []
+    for top, part in state.items():
+        for name, value in part.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            key = f"{top}.{name}"
+            if key not in saved:
+                missing.append(key)
+            elif isinstance(saved[key], TensorStorageMetadata) and tuple(saved[key].size) != tuple(value.shape):
+                bad.append((key, tuple(saved[key].size), tuple(value.shape)))
+    if bad:
+        raise CheckpointError(
+            f"{path}: tensor shapes differ from the model's (name, checkpoint, model): {bad[:6]}"
+            f"{' ...' if len(bad) > 6 else ''}"
+        )
+    if missing:
+        raise CheckpointError(f"{path}: missing tensors {missing[:6]}{' ...' if len(missing) > 6 else ''}")
+
+
+def _rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    """Make a directory invisible to readers at once (rename), then delete it."""
+    doomed = path.with_name(f"{path.name}{TMP_MARK}removing-{uuid.uuid4().hex[:8]}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+class Checkpointer:
+    """Finds, loads and writes this run's checkpoints; every method is called on every rank.
+
+    Decisions that read the file system (which checkpoint to resume, where to write) are taken on
+    rank 0 and broadcast, so all ranks act on the same answer, or raise the same error.
+    """
+
+    def __init__(
+        self,
+        cfg: Any,
+        run_dir: Path,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        mesh_shape: dict[str, int],
+        model_config: NemotronHConfig,
+    ) -> None:
+        c = cfg.checkpoint
+        self.root = Path(c.dir).expanduser() if c.dir else run_dir / "checkpoints"
+        self.every, self.keep = c.every, c.keep
+        # An export reads the final checkpoint, so asking for one implies saving it.
+        self.save_final = c.save_final or c.export_hf
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.base_meta = {
+            "format": FORMAT_VERSION,
+            "world_size": world_size,
+            "mesh": mesh_shape,
+            "model": dataclasses.asdict(model_config),
+            "tokenizer": str(Path(cfg.data.tokenizer).expanduser().resolve()),
+            # What decides the examples of each step; a resume with other values warns.
+            "data": {
+                **{k: v for k, v in OmegaConf.to_container(cfg.data, resolve=True).items() if k != "val_max_batches"},
+                "seed": cfg.seed,
+                "global_batch_size": cfg.trainer.global_batch_size,
+                "seq_len": cfg.trainer.seq_len,
+            },
+            "run_dir": str(run_dir),
+        }
+        found = self._on_rank0(lambda: self._find_resume(c.resume, model_config))
+        self.resume_from: Path | None = None if found is None else Path(found[0])
+        self.resume_meta: dict[str, Any] | None = None if found is None else found[1]
+        self.last_saved: Path | None = None
+
+    # ------------------------------------------------------------------ coordination
+    def _on_rank0(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on rank 0 and hand its result, or its failure, to every rank."""
+        box: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                box[0] = ("ok", fn())
+            except CheckpointError as e:
+                box[0] = ("error", str(e))
+            except Exception as e:  # noqa: BLE001 - the other ranks must not wait forever for rank 0
+                box[0] = ("error", f"{self.root}: {type(e).__name__}: {e}")
+        if self.world_size > 1:
+            dist.broadcast_object_list(box, src=0)
+        kind, value = box[0]
+        if kind == "error":
+            raise CheckpointError(value)
+        return value
+
+    def _find_resume(self, resume: str, model_config: NemotronHConfig) -> tuple[str, dict[str, Any]] | None:
+        existing = complete_checkpoints(self.root)
+        if resume == "none":
+            if existing:
+                raise CheckpointError(
+                    f"checkpoint.dir={str(self.root)!r} already holds checkpoints "
+                    f"({', '.join(p.name for _, p in existing)}); checkpoint.resume=none would mix new ones in. "
+                    "Fix: checkpoint.resume=auto to continue from the newest, or another checkpoint.dir / run_dir."
+                )
+            return None
+        if resume == "auto":
+            if not existing:
+                return None
+            path = existing[-1][1]
+        else:
+            path = find_checkpoint(resume)
+        meta = read_meta(path)
+        check_model_config(path, meta, model_config)
+        read_dcp_metadata(path)
+        return str(path), meta
+
+    # ------------------------------------------------------------------ load
+    def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> int:
+        """Restore model, optimizer, schedule and (same world size) RNG; returns the step to continue from."""
+        if self.resume_from is None:
+            return 0
+        path, meta = self.resume_from, self.resume_meta
+        assert meta is not None
+        metadata = read_dcp_metadata(path)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        check_tensors(path, metadata, state)
+
+        rng = {}
+        if meta["world_size"] == self.world_size:
+            saved = metadata.state_dict_metadata
+            rng = {k: v.clone() for k, v in _rng_states(self.device).items() if f"rng.rank_{self.rank}.{k}" in saved}
+            state["rng"] = {f"rank_{self.rank}": rng}
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures in its own exception type
+            raise CheckpointError(f"{path}: loading failed: {type(e).__name__}: {e}") from None
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=STATE_DICT_OPTIONS)
+        scheduler.load_state_dict(meta["scheduler"])
+        if "cpu" in rng:
+            torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+
+        if meta.get("data") != self.base_meta["data"]:
+            log.warning(
+                "checkpoint %s was trained on other data settings (%s, now %s): the examples after step %d "
+                "differ from an uninterrupted run's", path, meta.get("data"), self.base_meta["data"], meta["step"],
+            )
+        log.info(
+            "resumed from %s: step %d (saved by %d rank(s), mesh %s%s)", path, meta["step"], meta["world_size"],
+            meta.get("mesh"), "" if rng else "; RNG not restored: another world size",
+        )
+        return int(meta["step"])
+
+    # ------------------------------------------------------------------ save
+    def due(self, step: int, max_steps: int) -> bool:
+        return (self.every > 0 and step % self.every == 0) or (self.save_final and step == max_steps)
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> Path:
+        began = time.perf_counter()
+        name = step_name(step)
+        tmp = self.root / self._on_rank0(lambda: f"{name}{TMP_MARK}{uuid.uuid4().hex[:12]}")
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+        state = {
+            "model": model_sd,
+            "optim": optim_sd,
+            # Per-rank keys: every rank's generator state is kept, not just rank 0's.
+            "rng": {f"rank_{self.rank}": _rng_states(self.device)},
+        }
+        dcp.save(state, checkpoint_id=str(tmp))
+        spec = os.environ.get(PUBLISH_DELAY_ENV)
+        if spec and int(spec.split(":")[0]) == step:
+            time.sleep(float(spec.split(":")[1]))
+        dist.barrier()
+        meta = {
+            **self.base_meta,
+            "step": step,
+            "scheduler": scheduler.state_dict(),
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+        final = self.root / name
+        self._on_rank0(lambda: self._publish(tmp, final, meta))
+        dist.barrier()
+        self.last_saved = final
+        log.info("checkpoint %s written in %.1f s", final, time.perf_counter() - began)
+        return final
+
+    def export_last(self, out_dir: Path) -> Path:
+        """Rank 0 writes the newest saved checkpoint as a Hugging Face directory; the others wait."""
+        from nemotron_recipe.training.hf_io import export_hf
+
+        source = self.last_saved or self.resume_from
+        if source is None:
+            raise CheckpointError("no checkpoint was saved or resumed by this run, so there is nothing to export")
+        return Path(self._on_rank0(lambda: str(export_hf(source, out_dir))))
+
+    def _publish(self, tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+        with open(tmp / META, "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():  # the same step saved again (e.g. re-running from an earlier checkpoint)
+            _remove(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        if self.keep > 0:
+            for _, old in complete_checkpoints(self.root)[:-self.keep]:
+                _remove(old)
+        for leftover in self.root.iterdir():
+            if TMP_MARK in leftover.name and leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)

@@ -1,0 +1,200 @@
+"""Hugging Face checkpoints straight into the sharded model, and training checkpoints back out.
+
+Import: the model is built on the meta device (no storage, no random init), parallelized, given
+storage for its local shards only (`to_empty`), and then every rank reads from the safetensors
+files just the slices behind its own shards. No rank ever holds the whole model. Two layout
+differences are resolved while reading:
+- Mamba2 `in_proj`/`conv1d` rows are group-major in the native model; a local row range maps to a
+  few contiguous runs of Hugging Face rows (`mamba_in_proj_order` / `mamba_conv_order`);
+- released checkpoints store one tensor per routed expert; a shard of the stacked [E, ...] expert
+  tensor reads its experts' tensors (a stacked `model.*` tensor is sliced directly).
+
+Export: a DCP training checkpoint is loaded into an unsharded model in one process without any
+process group (DCP reassembles the shards of whatever mesh saved it) and written by the model's
+own `save_pretrained`, with the run's tokenizer next to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from nemotron_recipe.models.nemotron_v3 import CheckpointError, ModelConfigError, NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.models.nemotron_v3.checkpoint import mamba_conv_order, mamba_in_proj_order, safetensors_files
+from nemotron_recipe.training.checkpoint import check_tensors, find_checkpoint, read_dcp_metadata, read_meta
+
+log = logging.getLogger(__name__)
+
+_MAMBA_ROWS = {"in_proj.weight": "in_proj", "in_proj.bias": "in_proj", "conv1d.weight": "conv", "conv1d.bias": "conv"}
+
+
+def build_meta_model(config: NemotronHConfig) -> NemotronHForCausalLM:
+    """The model's structure without storage: parameters and buffers on the meta device."""
+    with torch.device("meta"):
+        return NemotronHForCausalLM(config)
+
+
+def _local_box(t: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """This rank's local tensor and the [start, stop) range it covers in each global dim."""
+    if isinstance(t, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        local = t.to_local()
+        if tuple(local.shape) != tuple(shape):
+            raise CheckpointError(f"local shard of shape {tuple(local.shape)} where {tuple(shape)} was computed")
+        return local, [(o, o + s) for o, s in zip(offset, shape, strict=True)]
+    return t, [(0, s) for s in t.shape]
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Consecutive integers merged into [start, stop) ranges, order kept."""
+    runs: list[tuple[int, int]] = []
+    for r in rows:
+        if runs and runs[-1][1] == r:
+            runs[-1] = (runs[-1][0], r + 1)
+        else:
+            runs.append((r, r + 1))
+    return runs
+
+
+class _SafetensorsIndex:
+    """Lazy access to the tensors of a Hugging Face directory, by name, one slice at a time."""
+
+    def __init__(self, path: str, stack: contextlib.ExitStack) -> None:
+        from safetensors import safe_open
+
+        self.path = path
+        self.handles: dict[str, Any] = {}
+        for file in safetensors_files(path):
+            handle = stack.enter_context(safe_open(file, framework="pt"))
+            for name in handle.keys():
+                self.handles[name] = handle
+        self.used: set[str] = set()
+
+    def find(self, native: str) -> str | None:
+        """The file name of a native tensor name: released (`backbone.*`) or transformers (`model.*`) layout."""
+        candidates = [native]
+        if native.startswith("model."):
+            candidates.insert(0, "backbone." + native[len("model."):])
+        return next((c for c in candidates if c in self.handles), None)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.handles[name].get_slice(name).get_shape())
+
+    def read(self, name: str, box: list[tuple[int, int]]) -> torch.Tensor:
+        self.used.add(name)
+        piece = self.handles[name].get_slice(name)[tuple(slice(a, b) for a, b in box)]
+        return piece
+
+
+@torch.no_grad()
+def load_hf_sharded(model: nn.Module, path: str, device: torch.device | str) -> None:
+    """Allocate `model`'s local shards on `device` and fill every parameter and buffer from `path`.
+
+    `model` is a meta-built, parallelized NemotronHForCausalLM. Raises `CheckpointError` naming the
+    directory and what is missing, left over or of the wrong shape; the same on every rank.
+    """
+    cfg: NemotronHConfig = model.config
+    model.to_empty(device=device)
+    orders = {"in_proj": mamba_in_proj_order(cfg), "conv": mamba_conv_order(cfg)}
+    # keep_vars: the parameters themselves (DTensors under FSDP/TP), named without wrapper prefixes.
+    targets = model.state_dict(keep_vars=True)
+    missing: list[str] = []
+    bad: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+    with contextlib.ExitStack() as stack:
+        files = _SafetensorsIndex(path, stack)
+        for name, target in targets.items():
+            local, box = _local_box(target)
+            shape = tuple(target.shape)
+            parts = name.split(".")
+            is_mixer = len(parts) > 4 and parts[1] == "layers" and parts[3] == "mixer"
+            suffix = ".".join(parts[4:]) if is_mixer else ""
+            kind = cfg.block_types[int(parts[2])] if is_mixer else None
+            source = files.find(name)
+
+            if source is None and kind == "moe" and suffix in ("experts.up_proj", "experts.down_proj"):
+                per_expert = [files.find(f"{'.'.join(parts[:-1])}.{e}.{parts[-1]}.weight") for e in range(shape[0])]
+                absent = [e for e, n in enumerate(per_expert) if n is None]
+                if absent:
+                    missing.append(f"{name} (experts {absent[:8]})")
+                    continue
+                wrong = [(n, files.shape(n), shape[1:]) for n in per_expert if files.shape(n) != shape[1:]]
+                if wrong:
+                    bad.extend(wrong)
+                    continue
+                for n in per_expert:
+                    files.used.add(n)
+                if local.numel():
+                    local.copy_(torch.stack([files.read(per_expert[e], box[1:]) for e in range(*box[0])]))
+                continue
+            if source is None:
+                missing.append(name)
+                continue
+            if files.shape(source) != shape:
+                bad.append((source, files.shape(source), shape))
+                continue
+            files.used.add(source)
+            if not local.numel():
+                continue
+            if kind == "mamba" and suffix in _MAMBA_ROWS:
+                rows = orders[_MAMBA_ROWS[suffix]][box[0][0]:box[0][1]].tolist()
+                value = torch.cat([files.read(source, [run, *box[1:]]) for run in _runs(rows)])
+            else:
+                value = files.read(source, box)
+            local.copy_(value)
+
+        unexpected = sorted(n for n in files.handles.keys() - files.used if not n.startswith("mtp."))
+    if bad:
+        raise CheckpointError(
+            f"{path}: tensor shapes differ from the model's (name, file, model): {bad[:6]}"
+            f"{' ...' if len(bad) > 6 else ''}"
+        )
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: does not match the model built from its config.json: "
+            f"missing {missing[:6]}{' ...' if len(missing) > 6 else ''}, "
+            f"unexpected {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}"
+        )
+
+
+def load_checkpoint_model(checkpoint: str | Path) -> tuple[NemotronHForCausalLM, dict[str, Any], Path]:
+    """The unsharded model stored in a training checkpoint, read in this process alone."""
+    path = find_checkpoint(checkpoint)
+    meta = read_meta(path)
+    try:
+        config = NemotronHConfig(**meta["model"])
+    except (TypeError, ModelConfigError) as e:
+        raise CheckpointError(f"{path}: meta.json's model config does not build a model: {e}") from None
+    model = build_meta_model(config)
+    model.to_empty(device="cpu")
+    state = model.state_dict()
+    check_tensors(path, read_dcp_metadata(path), {"model": state})
+    try:
+        # no_dist: a plain read in this process, whatever process group may exist around it.
+        dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{path}: loading failed: {type(e).__name__}: {e}") from None
+    return model, meta, path
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """Write a training checkpoint as a consolidated Hugging Face directory; returns it."""
+    model, meta, path = load_checkpoint_model(checkpoint)
+    out = Path(out_dir).expanduser()
+    model.save_pretrained(str(out))
+    tokenizer = meta.get("tokenizer")
+    if tokenizer and Path(tokenizer).exists():
+        from nemotron_recipe.data import load_tokenizer
+
+        load_tokenizer(tokenizer).save_pretrained(str(out))
+    else:
+        log.warning("tokenizer %r recorded in %s no longer exists: exported the weights without it", tokenizer, path)
+    log.info("exported %s (step %d) to %s", path, meta["step"], out)
+    return out

@@ -1,0 +1,35 @@
+"""Export a training checkpoint to a Hugging Face directory: `python -m recipes.export CHECKPOINT OUT_DIR`.
+
+CHECKPOINT is a `step_N` directory, or a checkpoints/run directory (its newest complete
+checkpoint is taken). Runs in one process on CPU, whatever mesh wrote the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from nemotron_recipe.models.nemotron_v3 import CheckpointError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipes.export", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="step_N checkpoint directory, or a directory holding them")
+    parser.add_argument("out_dir", help="where to write config.json, safetensors and the tokenizer")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    from nemotron_recipe.training.hf_io import export_hf
+
+    try:
+        out = export_hf(args.checkpoint, args.out_dir)
+    except CheckpointError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
