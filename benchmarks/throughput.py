@@ -1,0 +1,617 @@
+"""Training-step throughput of the native Nemotron-H against `transformers.NemotronHForCausalLM`.
+
+    python -m benchmarks.throughput --preset tiny --batch 4 --seq-len 512 --dtype fp32
+    python -m benchmarks.throughput --preset h1024 --dtype bf16
+    python -m benchmarks.throughput --preset tiny --hidden 256 --pattern 'M*M-' --set chunk_size=128
+    python -m benchmarks.throughput --sweep-seq --preset h1024 --pattern MMMM --batch 1
+    torchrun --standalone --nproc-per-node 2 -m benchmarks.throughput --mesh dp_shard=2
+
+Both models are built from one config (`transformers.NemotronHConfig(**cfg.to_hf_dict())`) and hold
+the same weights: ours is loaded from transformers' state dict. A step is forward, backward and an
+AdamW step, each stack computing its loss its own way. After warmup the two run alternately (ours,
+theirs, ours, ...) and each reports its median, so a machine that other jobs load at times slows
+both alike and the ratio stays meaningful.
+
+MFU divides the model FLOPs (`nemotron_v3/flops.py`) per second by a peak measured in the same run
+on the same device: the best of several large matmuls of the benchmark's dtype.
+
+Memory, per rank: on CUDA the allocator's peak during one step. On CPU, the peak resident set
+during one step above the resident set before it (Linux `/proc/self/status` VmHWM, reset through
+`/proc/self/clear_refs`), and the bytes autograd saves for backward (activations).
+
+Each run appends a row to benchmarks/RESULTS.md with the exact command (`--no-record` to skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from nemotron_recipe.models.nemotron_v3 import PRESETS, NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.models.nemotron_v3.checkpoint import hf_to_native
+from nemotron_recipe.models.nemotron_v3.flops import forward_flops, training_flops
+from nemotron_recipe.training.loss import IGNORE_INDEX, cross_entropy_sum, local_value, loss_parallel_for
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# Benchmark shapes that are not released models. `h1024`: 12 blocks at hidden 1024 with the shipped
+# tokenizer's vocabulary, a model that fine-tunes on the shipped data. `gpu_1b`: 1.1B parameters
+# (0.6B outside the 128k-vocabulary embedding and head), every block kind but MoE, for a one-GPU check.
+BENCH_PRESETS: dict[str, NemotronHConfig] = {
+    "h1024": dataclasses.replace(
+        PRESETS["tiny"], pattern="M-M*M-M-M*M-", hidden_size=1024, vocab_size=512,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=64, intermediate_size=2816,
+        mamba_num_heads=32, mamba_head_dim=64, n_groups=8, ssm_state_size=64, chunk_size=128,
+    ),
+    "gpu_1b": dataclasses.replace(
+        PRESETS["tiny"], pattern="M-M-M*-M-M-M-M*-M-M-", vocab_size=131072, hidden_size=2048,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=8192,
+        mamba_num_heads=64, mamba_head_dim=64, n_groups=8, ssm_state_size=128, chunk_size=128,
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------- config
+def _parse_value(field: dataclasses.Field, text: str) -> Any:
+    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+    if kind == "bool":
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise SystemExit(f"--set {field.name}={text}: expected true or false")
+        return text.lower() in ("true", "1")
+    if kind == "int":
+        return int(text)
+    if kind == "float":
+        return float(text)
+    return text
+
+
+def build_config(args: argparse.Namespace) -> NemotronHConfig:
+    presets = {**PRESETS, **BENCH_PRESETS}
+    if args.preset not in presets:
+        raise SystemExit(f"--preset {args.preset!r}: unknown; choose one of {sorted(presets)}")
+    overrides: dict[str, Any] = {}
+    for name, value in (("hidden_size", args.hidden), ("pattern", args.pattern), ("vocab_size", args.vocab)):
+        if value is not None:
+            overrides[name] = value
+    fields = {f.name: f for f in dataclasses.fields(NemotronHConfig)}
+    for item in args.set:
+        key, sep, text = item.partition("=")
+        if not sep or key not in fields:
+            raise SystemExit(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(fields)}")
+        overrides[key] = _parse_value(fields[key], text)
+    return dataclasses.replace(presets[args.preset], **overrides)
+
+
+def describe(cfg: NemotronHConfig, preset: str) -> str:
+    base = {**PRESETS, **BENCH_PRESETS}[preset]
+    changed = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg)
+               if getattr(cfg, f.name) != getattr(base, f.name)]
+    return preset + (f" ({', '.join(changed)})" if changed else "")
+
+
+# ---------------------------------------------------------------------------------------- models
+def build_models(cfg: NemotronHConfig, device: torch.device, dtype: torch.dtype, seed: int, impl: str):
+    """(ours, theirs) with identical weights; either is None when `impl` leaves it out."""
+    import transformers
+
+    torch.manual_seed(seed)
+    hf_cfg = transformers.NemotronHConfig(**cfg.to_hf_dict())
+    hf_cfg._attn_implementation = "sdpa"
+    theirs = transformers.NemotronHForCausalLM(hf_cfg)
+    ours = None
+    if impl in ("both", "ours"):
+        ours = NemotronHForCausalLM(cfg)
+        ours.load_state_dict(hf_to_native(theirs.state_dict(), cfg))
+        ours = ours.to(device=device, dtype=dtype).train()
+    if impl == "ours":
+        return ours, None
+    return ours, theirs.to(device=device, dtype=dtype).train()
+
+
+def parallelize(model: torch.nn.Module, mesh, args: argparse.Namespace) -> torch.nn.Module:
+    """The recipe's parallelizer (FSDP2, TP/SP, CP, AC) as `--mesh` and `--ac` say; transformers'
+    model gets the reference plan the parallelizer gives it."""
+    from types import SimpleNamespace
+
+    from nemotron_recipe.models.nemotron_v3.parallelization import PARALLELIZER
+
+    fsdp = SimpleNamespace(param_dtype=args.dtype, reduce_dtype="fp32", offload=False, reshard_after_forward=None)
+    return PARALLELIZER.parallelize(model, mesh, fsdp_cfg=fsdp, sequence_parallel=args.sequence_parallel,
+                                    ac_mode=args.ac)
+
+
+# ---------------------------------------------------------------------------------------- steps
+def make_optimizer(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, fused=kind == "fused", foreach=kind == "foreach")
+
+
+def ours_step(model, optimizer, ids, targets, options) -> None:
+    if options.loss_chunk_size:
+        out = model(ids, targets=targets, loss_chunk_size=options.loss_chunk_size)
+        loss_sum, count = out.loss_sum, out.num_tokens
+        if loss_sum is None:
+            with loss_parallel_for(out.logits):
+                loss_sum, count = cross_entropy_sum(out.logits, targets)
+                (loss_sum / count.clamp(min=1)).backward()
+        else:
+            (loss_sum / count.clamp(min=1)).backward()
+    else:
+        logits = model(ids).logits
+        with loss_parallel_for(logits):
+            loss_sum, count = cross_entropy_sum(logits, targets)
+            (loss_sum / count.clamp(min=1)).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def theirs_step(model, optimizer, ids, targets, options) -> None:
+    if isinstance(model.lm_head.weight, torch.distributed.tensor.DTensor) and options.tp > 1:
+        # Vocab-sharded logits: transformers' own loss cannot take them, the recipe's can.
+        logits = model(input_ids=ids).logits
+        with loss_parallel_for(logits):
+            loss_sum, count = cross_entropy_sum(logits, targets)
+            (loss_sum / count.clamp(min=1)).backward()
+    else:
+        model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def timed(step: Callable[[], None], device: torch.device) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one call. On a CPU that other jobs share, CPU
+    time leaves out the time spent waiting for a core, so its ratio is the steadier one."""
+    _sync(device)
+    start, cpu = time.perf_counter(), time.process_time()
+    step()
+    _sync(device)
+    return time.perf_counter() - start, time.process_time() - cpu
+
+
+# ---------------------------------------------------------------------------------------- measures
+def peak_matmul_flops(device: torch.device, dtype: torch.dtype, n: int | None = None, reps: int = 5) -> float:
+    """Best FLOP/s of an n x n x n matmul of `dtype` on `device` (the MFU denominator)."""
+    n = n or (8192 if device.type == "cuda" else 2048)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b
+    best = 0.0
+    for _ in range(reps):
+        seconds, _ = timed(lambda: a @ b, device)
+        best = max(best, 2 * n**3 / seconds)
+    return best
+
+
+def _rss_hwm() -> tuple[int, int] | None:
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _reset_hwm() -> bool:
+    """Return freed heap pages to the kernel, then restart the high-water mark from the current RSS.
+
+    Without the trim, memory that the allocator keeps from earlier steps would be reused unseen and
+    the peak above the start would read near zero.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def saved_tensor_bytes(model: torch.nn.Module, total: list[int]):
+    """Adds to total[0] the bytes of every storage autograd saves for backward, parameters excluded."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+
+    def pack(t: torch.Tensor):
+        if not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor:
+            return t
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            total[0] += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
+def step_memory(step: Callable[[], None], model: torch.nn.Module, device: torch.device) -> dict[str, int | None]:
+    """Peak memory of one step: CUDA allocator peak, or CPU peak RSS above the pre-step RSS."""
+    out: dict[str, int | None] = {"peak": None, "activations": None}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        out["peak"] = torch.cuda.max_memory_allocated(device)
+        out["peak_above_start"] = out["peak"] - base
+    else:
+        if _reset_hwm() and (before := _rss_hwm()) is not None:
+            step()
+            after = _rss_hwm()
+            out["peak"] = after[1] - before[0]
+        else:
+            step()
+    total = [0]
+    with saved_tensor_bytes(model, total):
+        step()
+    out["activations"] = total[0]
+    return out
+
+
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+# ---------------------------------------------------------------------------------------- runs
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"CPU {cpu}, {torch.get_num_threads()} threads"
+
+
+def cpu_bf16_support() -> str:
+    """Which bf16 matmul the CPU offers (AMX tiles, AVX-512 BF16, or none: bf16 is then emulated)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        flags = []
+    if "amx_bf16" in flags:
+        return "amx_bf16"
+    if "avx512_bf16" in flags:
+        return "avx512_bf16"
+    return "none"
+
+
+def compare(args, cfg, device, mesh) -> dict[str, Any]:
+    dtype = DTYPES[args.dtype]
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    ours, theirs = build_models(cfg, device, dtype, args.seed, args.impl or "both")
+    if ours is not None and args.compile:
+        from nemotron_recipe.training.compile import compile_blocks
+
+        compile_blocks(ours)
+    if mesh is not None:
+        ours = parallelize(ours, mesh, args) if ours is not None else None
+        try:
+            theirs = parallelize(theirs, mesh, args) if theirs is not None else None
+        except Exception as e:  # noqa: BLE001 - the reference plan may not support this mesh
+            if rank0:
+                print(f"transformers' model cannot run on this mesh ({e}); timing ours alone")
+            theirs = None
+
+    dp = tp = 1
+    layout_shard = lambda t: t  # noqa: E731
+    if mesh is not None:
+        from nemotron_recipe.training.setup import data_layout
+
+        layout = data_layout(mesh)
+        dp = layout.dp_size
+        tp = mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1
+        layout_shard = layout.shard
+    args.tp = tp
+    gen = torch.Generator().manual_seed(args.seed + (0 if mesh is None else layout.dp_rank))
+    full_ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len), generator=gen)
+    full_targets = torch.cat([full_ids[:, 1:], torch.full((args.batch, 1), IGNORE_INDEX)], dim=1)
+    ids = layout_shard(full_ids).to(device)
+    targets = layout_shard(full_targets).to(device)
+    theirs_ids = full_ids.to(device)  # transformers' model takes whole sequences (no context parallel)
+
+    steps: dict[str, Callable[[], None]] = {}
+    models = {}
+    if ours is not None:
+        opt_o = make_optimizer(ours, args.adamw)
+        steps["ours"] = lambda: ours_step(ours, opt_o, ids, targets, args)
+        models["ours"] = ours
+    if theirs is not None:
+        opt_t = make_optimizer(theirs, args.adamw)
+        steps["theirs"] = lambda: theirs_step(theirs, opt_t, theirs_ids, targets, args)
+        models["theirs"] = theirs
+
+    peak = peak_matmul_flops(device, dtype, args.peak_size)
+    for _ in range(args.warmup):
+        for step in steps.values():
+            step()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    cpu_times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(args.steps):
+        for name, step in steps.items():
+            wall, cpu = timed(step, device)
+            times[name].append(wall)
+            cpu_times[name].append(cpu)
+    peak = max(peak, peak_matmul_flops(device, dtype, args.peak_size))
+    memory = {name: step_memory(step, models[name], device) for name, step in steps.items()}
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tokens = args.batch * args.seq_len * dp
+    flops = training_flops(cfg, args.batch * dp, args.seq_len)
+    result: dict[str, Any] = {"peak_flops": peak * world, "flops": flops, "tokens": tokens}
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        result[name] = {
+            "median_s": med, "times": ts, "tokens_per_s": tokens / med, "tflops": flops / med / 1e12,
+            "mfu": flops / med / (peak * world), "memory": memory[name], "cpu_s": statistics.median(cpu_times[name]),
+        }
+    if "ours" in result and "theirs" in result:
+        result["ratio"] = result["ours"]["tokens_per_s"] / result["theirs"]["tokens_per_s"]
+        result["cpu_ratio"] = result["theirs"]["cpu_s"] / result["ours"]["cpu_s"]
+    if dist.is_initialized() and world > 1:
+        peaks = [None] * world
+        dist.all_gather_object(peaks, {k: memory[k]["peak"] for k in memory})
+        result["per_rank_peak"] = peaks
+    return result
+
+
+def sweep(args, cfg, device) -> dict[str, Any]:
+    """Per-step time of ours (and of theirs with --impl both/theirs) at each sequence length, interleaved."""
+    dtype = DTYPES[args.dtype]
+    lens = sorted(int(x) for x in args.sweep_lens.split(","))
+    ours, theirs = build_models(cfg, device, dtype, args.seed, args.impl or "ours")
+    args.tp = 1
+    gen = torch.Generator().manual_seed(args.seed)
+    batches = {}
+    for n in lens:
+        ids = torch.randint(0, cfg.vocab_size, (args.batch, n), generator=gen)
+        targets = torch.cat([ids[:, 1:], torch.full((args.batch, 1), IGNORE_INDEX)], dim=1)
+        batches[n] = (ids.to(device), targets.to(device))
+    impls = {"ours": (ours, ours_step)} if ours is not None else {}
+    if theirs is not None:
+        impls["theirs"] = (theirs, theirs_step)
+    opts = {name: make_optimizer(m, args.adamw) for name, (m, _) in impls.items()}
+    times = {(name, n): [] for name in impls for n in lens}
+    for rep in range(args.warmup + args.steps):
+        for n in lens:
+            for name, (model, fn) in impls.items():
+                ids, targets = batches[n]
+                t, _ = timed(lambda: fn(model, opts[name], ids, targets, args), device)
+                if rep >= args.warmup:
+                    times[(name, n)].append(t)
+    out = {"lens": lens, "medians": {k: statistics.median(v) for k, v in times.items()}}
+    for name in impls:
+        out[f"{name}_ratio"] = out["medians"][(name, lens[-1])] / out["medians"][(name, lens[0])]
+    return out
+
+
+# ---------------------------------------------------------------------------------------- report
+COMPARE_HEADER = (
+    "| date | device | config | dtype | mesh | batch x seq | ours tok/s | theirs tok/s | ours/theirs | "
+    "ours TFLOP/s (MFU) | theirs TFLOP/s (MFU) | peak mem ours / theirs | fast paths | command |"
+)
+SWEEP_HEADER = ("| date | device | config | dtype | batch | seq lengths | ours s/step | time ratio (tokens ratio) | "
+                "fast paths | command |")
+
+
+def _append_row(header: str, row: str, path: Path | None = None) -> None:
+    """Insert `row` at the end of the table that starts with `header`, creating either if missing."""
+    path = path or RESULTS
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    lines = text.splitlines()
+    if header not in lines:
+        sep = "|" + "|".join(" --- " for _ in range(header.count("|") - 1)) + "|"
+        lines += ["", header, sep]
+    i = lines.index(header) + 2
+    while i < len(lines) and lines[i].startswith("|"):
+        i += 1
+    lines.insert(i, row)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _command(argv: list[str]) -> str:
+    launcher = "torchrun ... " if "TORCHELASTIC_RUN_ID" in os.environ else ""
+    return launcher + "python -m benchmarks.throughput " + " ".join(shlex.quote(a) for a in argv)
+
+
+def fast_paths(args) -> str:
+    on = []
+    if args.compile:
+        on.append("compile")
+    if args.loss_chunk_size:
+        on.append(f"loss_chunk={args.loss_chunk_size}")
+    on.append(f"adamw={args.adamw}")
+    if getattr(args, "malloc_kept", False):
+        on.append("malloc keeps freed blocks (both)")
+    return ", ".join(on)
+
+
+def report_compare(args, cfg, device, result, mesh_desc) -> None:
+    print(f"device: {device_name(device)}" + (f" (bf16 matmul: {cpu_bf16_support()})" if device.type == "cpu" else ""))
+    print(f"config: {describe(cfg, args.preset)}; batch {args.batch} x seq {args.seq_len}, {args.dtype}, mesh {mesh_desc}")
+    fwd = forward_flops(cfg, args.batch, args.seq_len)
+    print("forward GFLOP by kind: " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in fwd.items() if v))
+    print(f"training step: {result['flops'] / 1e12:.3f} TFLOP; measured peak {result['peak_flops'] / 1e12:.2f} TFLOP/s "
+          f"({args.dtype} matmul)")
+    for name in ("ours", "theirs"):
+        if name not in result:
+            continue
+        r = result[name]
+        mem = r["memory"]
+        kind = "CUDA max allocated" if device.type == "cuda" else "peak RSS above step start"
+        print(f"{name:>6}: {r['median_s']:.3f} s/step (median of {len(r['times'])}, range {min(r['times']):.3f}-"
+              f"{max(r['times']):.3f}; CPU {r['cpu_s']:.3f} s), {r['tokens_per_s']:,.0f} tok/s, "
+              f"{r['tflops']:.3f} TFLOP/s, MFU {100 * r['mfu']:.1f}%, {kind} {_gib(mem['peak'])}, "
+              f"saved activations {_gib(mem['activations'])}")
+    if "per_rank_peak" in result:
+        print("per-rank peak: " + "; ".join(
+            f"rank {i}: " + ", ".join(f"{k} {_gib(v)}" for k, v in p.items()) for i, p in enumerate(result["per_rank_peak"])))
+    if "ratio" in result:
+        print(f"ours/theirs tokens/s: {result['ratio']:.2f}x (by process CPU time: {result['cpu_ratio']:.2f}x)")
+    if args.record:
+        def cell(name: str, fmt: Callable[[dict], str]) -> str:
+            return fmt(result[name]) if name in result else "-"
+
+        def tok(r):
+            return f"{r['tokens_per_s']:,.0f}"
+
+        def tf(r):
+            return f"{r['tflops']:.3f} ({100 * r['mfu']:.1f}%)"
+
+        def mem(r):
+            return _gib(r["memory"]["peak"])
+
+        ratio = f"{result['ratio']:.2f}x (cpu {result['cpu_ratio']:.2f}x)" if "ratio" in result else "-"
+        row = (f"| {datetime.date.today()} | {device_name(device)} | {describe(cfg, args.preset)} | {args.dtype} | "
+               f"{mesh_desc} | {args.batch} x {args.seq_len} | {cell('ours', tok)} | {cell('theirs', tok)} | {ratio} | "
+               f"{cell('ours', tf)} | {cell('theirs', tf)} | {cell('ours', mem)} / {cell('theirs', mem)} | "
+               f"{fast_paths(args)} | `{_command(args.argv)}` |")
+        _append_row(COMPARE_HEADER, row)
+
+
+def report_sweep(args, cfg, device, out) -> None:
+    lens = out["lens"]
+    print(f"device: {device_name(device)}; config: {describe(cfg, args.preset)}; batch {args.batch}, {args.dtype}")
+    for (name, n), t in sorted(out["medians"].items()):
+        print(f"{name:>6} seq {n:>6}: {t:.3f} s/step, {args.batch * n / t:,.0f} tok/s")
+    for name in ("ours", "theirs"):
+        if f"{name}_ratio" in out:
+            print(f"{name}: time({lens[-1]})/time({lens[0]}) = {out[f'{name}_ratio']:.2f} "
+                  f"(tokens ratio {lens[-1] / lens[0]:.1f})")
+    if args.record:
+        per = ", ".join(f"{out['medians'][('ours', n)]:.3f}" for n in lens) if ("ours", lens[0]) in out["medians"] else "-"
+        ratio = f"{out['ours_ratio']:.2f}" if "ours_ratio" in out else "-"
+        row = (f"| {datetime.date.today()} | {device_name(device)} | {describe(cfg, args.preset)} | {args.dtype} | "
+               f"{args.batch} | {', '.join(map(str, lens))} | {per} | {ratio} ({lens[-1] / lens[0]:.1f}) | "
+               f"{fast_paths(args)} | `{_command(args.argv)}` |")
+        _append_row(SWEEP_HEADER, row)
+
+
+# ---------------------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny", help=f"a model preset or one of {sorted(BENCH_PRESETS)}")
+    p.add_argument("--hidden", type=int, help="override hidden_size")
+    p.add_argument("--pattern", help="override the block pattern")
+    p.add_argument("--vocab", type=int, help="override vocab_size")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override any model field")
+    p.add_argument("--batch", type=int, default=4, help="sequences per step (per data-parallel rank)")
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="parameter and compute dtype of both")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--impl", choices=("both", "ours", "theirs"),
+                   help="which models to time (default: both; ours alone with --sweep-seq)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps of each implementation")
+    p.add_argument("--steps", type=int, default=5, help="timed steps of each implementation")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--peak-size", type=int, help="n of the n x n x n peak matmul (default 2048 on CPU, 8192 on GPU)")
+    p.add_argument("--adamw", choices=("fused", "foreach"), default="fused",
+                   help="AdamW implementation, the same for both so the ratio measures the models")
+    p.add_argument("--compile", action="store_true", help="ours: torch.compile each block")
+    p.add_argument("--loss-chunk-size", type=int, default=0, help="ours: chunked lm_head + cross-entropy")
+    p.add_argument("--mesh", default="", help="under torchrun: e.g. dp_shard=2 or tp=2,sequence_parallel=true")
+    p.add_argument("--ac", default="none", help="activation checkpointing mode under --mesh")
+    p.add_argument("--sweep-seq", action="store_true", help="time ours at each of --sweep-lens and print the ratio")
+    p.add_argument("--sweep-lens", default="2048,8192")
+    p.add_argument("--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
+                   help="leave glibc malloc's defaults (large blocks are then unmapped and page-faulted anew "
+                        "every step, which slows both implementations on CPU)")
+    p.add_argument("--no-record", dest="record", action="store_false", help="do not append to RESULTS.md")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = p.parse_args(argv)
+    args.argv = argv
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.malloc_kept = False
+    if args.keep_freed_memory:
+        from nemotron_recipe.training.cpu_memory import keep_freed_memory
+
+        args.malloc_kept = keep_freed_memory()
+    cfg = build_config(args)
+    if args.sweep_seq and args.pattern is None:
+        cfg = dataclasses.replace(cfg, pattern="M" * max(cfg.pattern.count("M"), 1))
+    if args.sweep_seq and set(cfg.pattern) != {"M"}:
+        raise SystemExit(f"--sweep-seq measures Mamba-only models; pattern {cfg.pattern!r} has other blocks")
+
+    mesh = None
+    mesh_desc = "1 process"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        from types import SimpleNamespace
+
+        from nemotron_recipe.distributed.env import init_distributed
+        from nemotron_recipe.distributed.mesh import build_mesh
+
+        env = init_distributed(args.device)
+        device = env.device
+        sizes: dict[str, Any] = dict(dp_replicate=1, dp_shard=-1, cp=1, tp=1, sequence_parallel=False)
+        for item in filter(None, args.mesh.split(",")):
+            key, _, value = item.partition("=")
+            sizes[key] = value.lower() == "true" if key == "sequence_parallel" else int(value)
+        args.sequence_parallel = sizes["sequence_parallel"]
+        mesh = build_mesh(SimpleNamespace(**sizes), env.world_size, device.type)
+        mesh_desc = f"{env.world_size} ranks " + ",".join(f"{k}={v}" for k, v in sizes.items() if k != "dp_shard" or v != -1)
+        rank0 = env.is_main
+    else:
+        dev = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(dev)
+        rank0 = True
+
+    try:
+        if args.sweep_seq:
+            if mesh is not None:
+                raise SystemExit("--sweep-seq runs in one process")
+            out = sweep(args, cfg, device)
+            report_sweep(args, cfg, device, out)
+        else:
+            result = compare(args, cfg, device, mesh)
+            if rank0:
+                args.record = args.record and rank0
+                report_compare(args, cfg, device, result, mesh_desc)
+    finally:
+        if dist.is_initialized():
+            from nemotron_recipe.distributed.env import teardown
+
+            teardown()
+
+
+if __name__ == "__main__":
+    main()
