@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import os
 import platform
 import shlex
@@ -40,12 +41,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from nemotron_recipe.models.nemotron_v3 import PRESETS, NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.models.nemotron_v3 import (
+    PRESETS,
+    NemotronHConfig,
+    NemotronHForCausalLM,
+)
 from nemotron_recipe.models.nemotron_v3.checkpoint import hf_to_native
 from nemotron_recipe.models.nemotron_v3.flops import forward_flops, training_flops
-from nemotron_recipe.training.loss import IGNORE_INDEX, cross_entropy_sum, local_value, loss_parallel_for
+from nemotron_recipe.training.loss import (
+    IGNORE_INDEX,
+    cross_entropy_sum,
+    forward_loss_sum,
+    loss_parallel_for,
+)
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -143,20 +152,9 @@ def make_optimizer(model: torch.nn.Module, kind: str) -> torch.optim.Optimizer:
 
 
 def ours_step(model, optimizer, ids, targets, options) -> None:
-    if options.loss_chunk_size:
-        out = model(ids, targets=targets, loss_chunk_size=options.loss_chunk_size)
-        loss_sum, count = out.loss_sum, out.num_tokens
-        if loss_sum is None:
-            with loss_parallel_for(out.logits):
-                loss_sum, count = cross_entropy_sum(out.logits, targets)
-                (loss_sum / count.clamp(min=1)).backward()
-        else:
-            (loss_sum / count.clamp(min=1)).backward()
-    else:
-        logits = model(ids).logits
-        with loss_parallel_for(logits):
-            loss_sum, count = cross_entropy_sum(logits, targets)
-            (loss_sum / count.clamp(min=1)).backward()
+    """The recipe's micro-batch step: its loss path (chunked with --loss-chunk-size), then AdamW."""
+    count = (targets != IGNORE_INDEX).sum().clamp(min=1)
+    forward_loss_sum(model, ids, targets, loss_chunk_size=options.loss_chunk_size, backward_denominator=count)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -234,19 +232,29 @@ def _reset_hwm() -> bool:
         return False
 
 
+def _storage(t: torch.Tensor) -> tuple[int, int] | None:
+    """(data pointer, bytes) of a plain tensor's storage; None for one without live storage (FSDP
+    frees the storage of its gathered parameters between uses) or a tensor subclass."""
+    if type(t) is not torch.Tensor:
+        return None
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except RuntimeError:
+        return None
+
+
 @contextlib.contextmanager
 def saved_tensor_bytes(model: torch.nn.Module, total: list[int]):
     """Adds to total[0] the bytes of every storage autograd saves for backward, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params = {s[0] for p in model.parameters() if (s := _storage(p.to_local() if hasattr(p, "to_local") else p))}
     seen: set[int] = set()
 
     def pack(t: torch.Tensor):
-        if not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor:
-            return t
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in seen:
-            seen.add(ptr)
-            total[0] += t.untyped_storage().nbytes()
+        s = _storage(t) if isinstance(t, torch.Tensor) else None
+        if s is not None and s[0] not in params and s[0] not in seen:
+            seen.add(s[0])
+            total[0] += s[1]
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -327,7 +335,10 @@ def compare(args, cfg, device, mesh) -> dict[str, Any]:
             theirs = None
 
     dp = tp = 1
-    layout_shard = lambda t: t  # noqa: E731
+
+    def layout_shard(t: torch.Tensor) -> torch.Tensor:
+        return t
+
     if mesh is not None:
         from nemotron_recipe.training.setup import data_layout
 
@@ -409,7 +420,7 @@ def sweep(args, cfg, device) -> dict[str, Any]:
         for n in lens:
             for name, (model, fn) in impls.items():
                 ids, targets = batches[n]
-                t, _ = timed(lambda: fn(model, opts[name], ids, targets, args), device)
+                t, _ = timed(functools.partial(fn, model, opts[name], ids, targets, args), device)
                 if rep >= args.warmup:
                     times[(name, n)].append(t)
     out = {"lens": lens, "medians": {k: statistics.median(v) for k, v in times.items()}}
@@ -582,7 +593,7 @@ def main(argv: list[str] | None = None) -> None:
 
         env = init_distributed(args.device)
         device = env.device
-        sizes: dict[str, Any] = dict(dp_replicate=1, dp_shard=-1, cp=1, tp=1, sequence_parallel=False)
+        sizes: dict[str, Any] = {"dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 1, "sequence_parallel": False}
         for item in filter(None, args.mesh.split(",")):
             key, _, value = item.partition("=")
             sizes[key] = value.lower() == "true" if key == "sequence_parallel" else int(value)

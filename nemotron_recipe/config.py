@@ -189,6 +189,12 @@ class TrainerConfig:
     # schedule still runs to max_steps, so a later resume continues the same curve.
     stop_at_step: Optional[int] = None
     max_minutes: Optional[float] = None
+    # torch.compile each decoder block; if compiling fails on this machine the run warns and
+    # continues eagerly.
+    compile: bool = False
+    # Tokens per chunk of the lm_head + cross-entropy, so the [tokens, vocab] logits never exist
+    # at once; 0 or None: off. A tensor-parallel head keeps the plain (vocab-sharded) loss.
+    loss_chunk_size: Optional[int] = None
 
 
 @dataclass
@@ -331,6 +337,7 @@ def validate_config(cfg: Any) -> NemotronHConfig:
     positive("trainer.max_grad_norm", t.max_grad_norm)
     positive("trainer.stop_at_step", t.stop_at_step)
     positive("trainer.max_minutes", t.max_minutes)
+    positive("trainer.loss_chunk_size", t.loss_chunk_size, allow_zero=True)
     positive("checkpoint.every", cfg.checkpoint.every, allow_zero=True)
     positive("checkpoint.keep", cfg.checkpoint.keep, allow_zero=True)
     if t.seq_len < 2:

@@ -35,6 +35,7 @@ from nemotron_recipe.data import (
 from nemotron_recipe.models.nemotron_v3 import NemotronHForCausalLM
 from nemotron_recipe.training import finetune
 from nemotron_recipe.training.finetune import run
+from nemotron_recipe.training import loss as loss_module
 from nemotron_recipe.training.loss import cross_entropy_sum
 
 REPO = Path(__file__).resolve().parents[1]
@@ -456,7 +457,7 @@ def test_packed_recipe_step_equals_documents_run_alone(tmp_path, monkeypatch):
     cfg = compose_cfg(tmp_path / "run", f"data.train_file={path}", "data.val_file=null",
                       "data.messages_key=messages", "data.packing=true", "trainer.max_steps=1")
     seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    real_collate, real_ce = finetune.collate, finetune.cross_entropy_sum
+    real_collate, real_ce = finetune.collate, loss_module.cross_entropy_sum
     batches = []
     monkeypatch.setattr(finetune, "collate", lambda *a, **k: batches.append(real_collate(*a, **k)) or batches[-1])
 
@@ -465,7 +466,7 @@ def test_packed_recipe_step_equals_documents_run_alone(tmp_path, monkeypatch):
         seen.append((b["input_ids"], b["document_ids"], targets, logits.detach()))
         return real_ce(logits, targets)
 
-    monkeypatch.setattr(finetune, "cross_entropy_sum", recording_ce)
+    monkeypatch.setattr(loss_module, "cross_entropy_sum", recording_ce)
     summary = run(cfg)
     assert summary["data"]["train"]["documents"] == 12 and summary["data"]["train"]["sequences"] < 12
     assert len(seen) == 2  # global batch 4 = two micro-batches of 2 packed sequences

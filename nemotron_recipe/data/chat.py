@@ -58,7 +58,7 @@ class ChatFormatter:
             self.template = template
         if tokenizer.eos_token_id is None:
             raise DataError(
-                f"data.tokenizer: the tokenizer defines no EOS token, which ends every assistant turn. Fix: set "
+                "data.tokenizer: the tokenizer defines no EOS token, which ends every assistant turn. Fix: set "
                 "eos_token in its tokenizer_config.json."
             )
         vocab = tokenizer.get_vocab()

@@ -29,9 +29,15 @@ from nemotron_recipe.data import (
 from nemotron_recipe.distributed.env import distributed
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
 from nemotron_recipe.training.checkpoint import Checkpointer
+from nemotron_recipe.training.compile import compile_blocks
+from nemotron_recipe.training.cpu_memory import keep_freed_memory
 from nemotron_recipe.training.hf_io import build_meta_model, load_hf_sharded
 from nemotron_recipe.training.logging import MetricsWriter, earlier_val_losses, print_summary
-from nemotron_recipe.training.loss import IGNORE_INDEX, cross_entropy_sum, local_value, loss_parallel_for
+from nemotron_recipe.training.loss import (
+    IGNORE_INDEX,
+    forward_loss_sum,
+    local_value,
+)
 from nemotron_recipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from nemotron_recipe.training.preemption import StopConditions
 from nemotron_recipe.training.setup import DataLayout, build_device_mesh, data_layout, parallelize_model
@@ -58,7 +64,13 @@ def build_model(cfg: Any, model_config: NemotronHConfig) -> NemotronHForCausalLM
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, batches: Any, *, max_batches: int | None, device: torch.device, layout: DataLayout
+    model: torch.nn.Module,
+    batches: Any,
+    *,
+    max_batches: int | None,
+    device: torch.device,
+    layout: DataLayout,
+    loss_chunk_size: int | None = None,
 ) -> float:
     """Token-weighted mean loss over this rank's batches and every other rank's tokens."""
     model.eval()
@@ -68,12 +80,10 @@ def evaluate(
             if max_batches is not None and i >= max_batches:
                 break
             docs = batch.get("document_ids")  # only packed data has them
-            logits = model(
-                layout.shard(batch["input_ids"]).to(device),
-                document_ids=None if docs is None else layout.shard(docs).to(device),
-            ).logits
-            with loss_parallel_for(logits):
-                loss_sum, count = cross_entropy_sum(logits, layout.shard(batch["targets"]))
+            loss_sum, count = forward_loss_sum(
+                model, layout.shard(batch["input_ids"]).to(device), layout.shard(batch["targets"]).to(device),
+                document_ids=None if docs is None else layout.shard(docs).to(device), loss_chunk_size=loss_chunk_size,
+            )
             totals[0] += local_value(loss_sum).double()
             totals[1] += count.double()
     finally:
@@ -92,6 +102,8 @@ def run(cfg: Any) -> dict[str, Any]:
     with distributed(t.device) as env:
         if not env.is_main:
             logging.getLogger("nemotron_recipe").setLevel(logging.WARNING)
+        if env.device.type == "cpu":
+            keep_freed_memory()  # large activations are reused instead of page-faulted every step
         mesh = build_device_mesh(cfg, env.world_size, env.device.type)
         layout = data_layout(mesh)
         validate_data_parallel(cfg, layout.dp_size)
@@ -137,6 +149,19 @@ def run(cfg: Any) -> dict[str, Any]:
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = build_scheduler(optimizer, cfg.optim, t.max_steps)
         start_step = checkpointer.load(model, optimizer, scheduler)
+
+        if t.compile:
+            # The probe compiles forward and backward at the training shape (a real micro-batch) on
+            # every rank in step, so a failure shows up here, not mid-training.
+            probe = {k: layout.shard(v).to(env.device)
+                     for k, v in collate(train, plan.indices_for_step(start_step)[0], t.seq_len, pad_id).items()}
+
+            def run_probe() -> None:
+                forward_loss_sum(model, probe["input_ids"], probe["targets"], document_ids=probe.get("document_ids"),
+                                 loss_chunk_size=t.loss_chunk_size, backward_denominator=1.0)
+                model.zero_grad(set_to_none=True)
+
+            compile_blocks(model, probe=run_probe)
         params = [p for p in model.parameters() if p.requires_grad]
 
         writer = MetricsWriter(
@@ -156,7 +181,7 @@ def run(cfg: Any) -> dict[str, Any]:
                 return 0.0
             began = time.perf_counter()
             val_loss = evaluate(model, val_data, max_batches=cfg.data.val_max_batches, device=env.device,
-                                layout=layout)
+                                layout=layout, loss_chunk_size=t.loss_chunk_size)
             val_history.append((step, val_loss))
             writer.log_val({"step": step, "val_loss": val_loss, "elapsed_s": time.perf_counter() - start})
             return time.perf_counter() - began
@@ -193,14 +218,13 @@ def run(cfg: Any) -> dict[str, Any]:
                     # Packed batches carry document_ids (already sharded like the inputs); others run
                     # the model's single-document path.
                     docs = batch.get("document_ids")
-                    logits = model(
-                        batch["input_ids"].to(env.device), document_ids=None if docs is None else docs.to(env.device)
-                    ).logits
-                    with loss_parallel_for(logits):
-                        loss_sum, _ = cross_entropy_sum(logits, batch["targets"])
-                        (loss_sum / denominator).backward()
+                    loss_sum, _ = forward_loss_sum(
+                        model, batch["input_ids"].to(env.device), batch["targets"].to(env.device),
+                        document_ids=None if docs is None else docs.to(env.device),
+                        loss_chunk_size=t.loss_chunk_size, backward_denominator=denominator,
+                    )
                     loss_total += local_value(loss_sum.detach()).float()
-                    del logits, loss_sum
+                    del loss_sum
 
                 grad_norm = clip_grad_norm_(params, t.max_grad_norm)
                 lr = scheduler.get_last_lr()[0]

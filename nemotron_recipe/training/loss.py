@@ -56,3 +56,35 @@ def cross_entropy_sum(
         logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index, reduction="sum"
     )
     return loss, (targets != ignore_index).sum()
+
+
+def forward_loss_sum(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    document_ids: torch.Tensor | None = None,
+    loss_chunk_size: int | None = None,
+    backward_denominator: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's (loss sum, trained tokens); with `backward_denominator`, also back-propagates
+    loss_sum / backward_denominator (inside `loss_parallel` when the logits are vocab-sharded).
+
+    `loss_chunk_size` (tokens; 0 or None: off) lets the model compute the loss chunk by chunk
+    without full logits. A model whose head is tensor-parallel returns vocab-sharded logits instead,
+    and the loss then takes the plain path.
+    """
+    kwargs = {} if document_ids is None else {"document_ids": document_ids}
+    if loss_chunk_size:
+        kwargs.update(targets=targets, loss_chunk_size=loss_chunk_size)
+    out = model(input_ids, **kwargs)
+    if getattr(out, "loss_sum", None) is not None:
+        loss_sum, count = out.loss_sum, out.num_tokens
+        if backward_denominator is not None:
+            (loss_sum / backward_denominator).backward()
+        return loss_sum, count
+    with loss_parallel_for(out.logits):
+        loss_sum, count = cross_entropy_sum(out.logits, targets)
+        if backward_denominator is not None:
+            (loss_sum / backward_denominator).backward()
+    return loss_sum, count

@@ -46,12 +46,17 @@ def main() -> None:
     ).view(logits.shape[:2])
     torch.testing.assert_close(full_targets_losses, shard_sequence(ref_losses, cp).detach(), rtol=1e-5, atol=1e-6)
     full_targets_losses.sum().backward()
+    worst = 0.0
     for (name, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters()):
         grad = p.grad.clone()
         dist.all_reduce(grad)  # each cp rank holds the gradient of its own tokens
-        torch.testing.assert_close(grad, p_ref.grad, rtol=1e-5, atol=1e-6, msg=name)
+        # Measured against the tensor's scale: sums of many fp32 terms in another order differ by a
+        # few ulps of the largest entries, which an elementwise bound would flag near zero.
+        err = ((grad - p_ref.grad).abs().max() / p_ref.grad.abs().max().clamp_min(1e-12)).item()
+        worst = max(worst, err)
+        assert err <= 2e-6, f"{name}: max|g - g_ref| / max|g_ref| = {err:.2e} > 2e-6"
     if dist.get_rank() == 0:
-        print(f"packed cp={world} matches documents run alone")
+        print(f"packed cp={world} matches documents run alone (gradients {worst:.1e} of scale)")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .config import NemotronHConfig
+from .kernels import causal_conv1d_silu, linear_cross_entropy_sum, ssd_scan
 from .ops import causal_attention, causal_conv1d
 from .ssd import discretize_dt, ssd_chunked
 
@@ -85,6 +86,9 @@ class GatedGroupRMSNorm(nn.Module):
 class Mamba2Mixer(_KeepFP32, nn.Module):
     fp32_params = ("A_log", "D", "dt_bias")
     context_parallel: ContextParallel | None = None  # set by the parallelizer
+    # The conv and scan as single autograd nodes (kernels.py); False runs the plain compositions,
+    # the reference they are tested against.
+    fast_ops: bool = True
 
     def __init__(self, config: NemotronHConfig):
         super().__init__()
@@ -139,14 +143,18 @@ class Mamba2Mixer(_KeepFP32, nn.Module):
             A_log, D, dt_bias = A_log[heads], D[heads], dt_bias[heads]
 
         g = xbc.shape[2]
-        xbc = causal_conv1d(xbc.flatten(2).transpose(1, 2), weight.to(xbc.dtype),
-                            None if bias is None else bias.to(xbc.dtype), document_ids)
-        xbc = F.silu(xbc).transpose(1, 2).unflatten(-1, (g, -1))
-        x, B, C = xbc.split([r * self.head_dim, self.state_size, self.state_size], dim=-1)
+        if self.fast_ops:
+            xbc = causal_conv1d_silu(xbc.flatten(2), weight, bias, document_ids)
+        else:
+            xbc = causal_conv1d(xbc.flatten(2).transpose(1, 2), weight.to(xbc.dtype),
+                                None if bias is None else bias.to(xbc.dtype), document_ids)
+            xbc = F.silu(xbc).transpose(1, 2)
+        x, B, C = xbc.unflatten(-1, (g, -1)).split([r * self.head_dim, self.state_size, self.state_size], dim=-1)
 
         dt = discretize_dt(dt.flatten(2), dt_bias, self.dt_min)
-        y = ssd_chunked(x.unflatten(-1, (r, self.head_dim)).flatten(2, 3), dt, -torch.exp(A_log.float()), B, C,
-                        D, self.chunk_size, document_ids)
+        scan = ssd_scan if self.fast_ops else ssd_chunked
+        y = scan(x.unflatten(-1, (r, self.head_dim)).flatten(2, 3), dt, -torch.exp(A_log.float()), B, C,
+                 D, self.chunk_size, document_ids)
         return y.to(xbc.dtype).unflatten(2, (g, r)).flatten(-2)
 
 
@@ -222,6 +230,20 @@ class Router(_KeepFP32, nn.Module):
         return weights * self.scaling, idx
 
 
+def _grouped_mm_supported(rows: torch.Tensor, up: torch.Tensor) -> bool:
+    """`F.grouped_mm` runs on CPU in fp32, bf16 and fp16; on CUDA its kernels need bf16, Hopper or
+    newer, and 16-byte aligned rows."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if torch.compiler.is_compiling() and rows.dtype != torch.bfloat16:
+        return False  # the op's shape function (used while tracing) accepts bf16 only
+    if rows.device.type == "cpu":
+        return rows.dtype == up.dtype and rows.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return (rows.is_cuda and rows.dtype == up.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(rows.device) >= (9, 0)
+            and rows.shape[-1] % 8 == 0 and up.shape[1] % 8 == 0)
+
+
 class Experts(nn.Module):
     """Routed ReLU^2 experts stored as stacked weights: up [E, I, D], down [E, D, I]."""
 
@@ -237,12 +259,18 @@ class Experts(nn.Module):
         flat_idx = idx.flatten()
         order = flat_idx.argsort(stable=True)
         token = order // idx.shape[1]
-        counts = torch.bincount(flat_idx, minlength=up.shape[0]).tolist()
-        outs = []
-        for e, rows in enumerate(x[token].split(counts)):
-            if counts[e]:
-                outs.append(F.linear(F.relu(F.linear(rows, up[e])).square(), down[e]))
-        routed = torch.cat(outs) * weights.flatten()[order, None]
+        counts = torch.bincount(flat_idx, minlength=up.shape[0])
+        rows = x[token]
+        if _grouped_mm_supported(rows, up):
+            # One grouped GEMM per projection: no per-expert launches and no host sync on the counts.
+            ends = counts.cumsum(0).to(torch.int32)
+            hidden = F.relu(F.grouped_mm(rows, up.transpose(-2, -1), offs=ends)).square()
+            routed = F.grouped_mm(hidden, down.transpose(-2, -1), offs=ends)
+        else:
+            counts = counts.tolist()
+            routed = torch.cat([F.linear(F.relu(F.linear(part, up[e])).square(), down[e])
+                                for e, part in enumerate(rows.split(counts)) if counts[e]])
+        routed = routed * weights.flatten()[order, None]
         return torch.zeros(x.shape, dtype=routed.dtype, device=x.device).index_add_(0, token, routed).to(x.dtype)
 
 
@@ -295,8 +323,22 @@ class NemotronHModel(nn.Module):
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     loss: torch.Tensor | None = None
+    loss_sum: torch.Tensor | None = None  # with `targets` and `loss_chunk_size` (then no logits)
+    num_tokens: torch.Tensor | None = None
+
+
+class LMHead(nn.Linear):
+    """The output projection. Given `targets` and a `chunk_size` it returns (loss sum, trained tokens)
+    instead of logits, chunk by chunk, so the [tokens, vocab] logits never exist at once. The loss
+    runs inside this module's call so that FSDP has gathered the weight for it. A tensor-parallel
+    (DTensor) weight always gives logits, vocab-sharded, whose loss is the caller's."""
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, chunk_size: int = 0):
+        if targets is None or not chunk_size or isinstance(self.weight, DTensor) or isinstance(hidden, DTensor):
+            return super().forward(hidden)
+        return linear_cross_entropy_sum(hidden, self.weight, targets, chunk_size)
 
 
 class NemotronHForCausalLM(nn.Module):
@@ -304,15 +346,31 @@ class NemotronHForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = NemotronHModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, bias=False)
         self.reset_parameters()
 
     def forward(
-        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        loss_chunk_size: int = 0,
     ) -> CausalLMOutput:
         """`labels` as in Hugging Face: aligned with `input_ids`, shifted here, -100 ignored.
-        `document_ids` [b,l] marks packed documents, which then never see each other."""
-        logits = self.lm_head(self.model(input_ids, document_ids)).float()
+        `document_ids` [b,l] marks packed documents, which then never see each other.
+
+        `targets` (pre-shifted, as the recipe's batches hold them) with `loss_chunk_size` > 0: the
+        output holds `loss_sum` and `num_tokens` of the chunked loss and no logits, unless the head
+        is tensor-parallel (then the logits, as without them)."""
+        hidden = self.model(input_ids, document_ids)
+        if targets is not None and loss_chunk_size:
+            out = self.lm_head(hidden, targets=targets, chunk_size=loss_chunk_size)
+            if isinstance(out, tuple):
+                return CausalLMOutput(logits=None, loss_sum=out[0], num_tokens=out[1])
+            logits = out.float()
+        else:
+            logits = self.lm_head(hidden).float()
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)

@@ -89,9 +89,11 @@ def ssd_chunked(
         chunk_decay = chunk_decay * (doc[..., -1:] == doc_in)[..., None]
     state = torch.zeros_like(chunk_states[:, 0])
     states_in = []
-    for k in range(c):
+    # unbind, not indexing: the backward of c index ops writes c full-size zero-padded gradients,
+    # which makes the backward quadratic in the number of chunks; unbind's is one stack.
+    for decay_k, states_k in zip(chunk_decay.unbind(1), chunk_states.unbind(1)):
         states_in.append(state)
-        state = state * chunk_decay[:, k, ..., None, None] + chunk_states[:, k]
+        state = state * decay_k[..., None, None] + states_k
     prev = torch.stack(states_in, dim=1)  # state entering each chunk [b,c,g,r,p,n]
 
     # 4. The carried-in state's contribution to every position of the chunk.

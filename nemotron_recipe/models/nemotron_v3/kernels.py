@@ -1,0 +1,386 @@
+"""Fast paths: the Mamba2 causal conv and chunked SSD scan as single autograd nodes (and the Triton
+kernels of `mamba_ssm` / `causal_conv1d` on CUDA when they are installed), and the lm_head plus
+cross-entropy computed a chunk of tokens at a time.
+
+The plain compositions (`ssd_chunked` in ssd.py, `causal_conv1d` in ops.py) are the reference; these
+compute the same function, and tests compare them, and the scan against the step-by-step recurrence.
+Hand-written backward passes are what make them fast in eager PyTorch: autograd of the plain scan
+saves and revisits many [chunk x chunk]-sized temporaries per head, and its batched matmuls run on
+strided views that the CPU BLAS cannot batch; here every product runs on contiguous head-major
+operands, the decay matrices are built once and shared by forward and backward, and the state
+recurrence over chunks runs outside autograd. The depthwise conv's oneDNN backward is slow on CPU (and
+very slow when cores are oversubscribed), so the conv is four shifted multiply-adds.
+
+Shapes: b batch, l sequence, h heads, p head dim, g groups (h = g * r), n state, q chunk, c chunks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+
+# ---------------------------------------------------------------------------------------- conv
+def _shift_masks(document_ids: torch.Tensor | None, kernel: int) -> list[torch.Tensor | None]:
+    """For each shift s >= 1: where position t and t - s lie in the same document ([b, l - s, 1])."""
+    if document_ids is None:
+        return [None] * kernel
+    return [None] + [(document_ids[:, s:] == document_ids[:, :-s])[..., None] for s in range(1, kernel)]
+
+
+class CausalConv1dSiLU(torch.autograd.Function):
+    """silu(causal depthwise conv(x)) on x [b, l, C] (channels last), weight [C, K], bias [C] or None.
+
+    Accumulates in fp32 (fp64 for fp64 inputs) whatever the input dtype. With `document_ids` [b, l], no output sees a token
+    of an earlier document (as if each document were zero-padded on its own).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, document_ids):
+        k = weight.shape[-1]
+        ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+        w = weight.to(ct)
+        masks = _shift_masks(document_ids, k)
+        pre = x.to(ct) * w[:, k - 1]
+        for s in range(1, k):
+            shifted = x[:, :-s] if masks[s] is None else x[:, :-s] * masks[s]
+            pre[:, s:].addcmul_(shifted, w[:, k - 1 - s])
+        if bias is not None:
+            pre += bias.to(ct)
+        ctx.save_for_backward(x, weight, pre, document_ids)
+        ctx.has_bias = bias is not None
+        return F.silu(pre).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, pre, document_ids = ctx.saved_tensors
+        k = weight.shape[-1]
+        w = weight.to(pre.dtype)
+        masks = _shift_masks(document_ids, k)
+        g = torch.ops.aten.silu_backward(grad_out.to(pre.dtype), pre)
+        grad_x = g * w[:, k - 1]
+        grad_w = torch.empty(weight.shape, dtype=pre.dtype, device=weight.device)
+        grad_w[:, k - 1] = (g * x).sum((0, 1))
+        for s in range(1, k):
+            g_s = g[:, s:] if masks[s] is None else g[:, s:] * masks[s]
+            grad_x[:, :-s].addcmul_(g_s, w[:, k - 1 - s])
+            grad_w[:, k - 1 - s] = (g_s * x[:, :-s]).sum((0, 1))
+        grad_b = g.sum((0, 1)).to(weight.dtype) if ctx.has_bias else None
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), grad_b, None
+
+
+@functools.cache
+def _cuda_conv():
+    try:
+        from causal_conv1d import causal_conv1d_fn
+    except ImportError:
+        return None
+    return causal_conv1d_fn
+
+
+def causal_conv1d_silu(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, document_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [b, l, C], weight [C, 1, K] or [C, K] -> silu(causal depthwise conv) [b, l, C] in x's dtype."""
+    weight = weight.reshape(weight.shape[0], -1).to(x.dtype)
+    bias = None if bias is None else bias.to(x.dtype)
+    if x.is_cuda and _cuda_conv() is not None:
+        seq_idx = None if document_ids is None else document_ids.to(torch.int32).contiguous()
+        # The kernel takes [b, C, l] with channels contiguous: a transposed view of x.
+        return _cuda_conv()(x.transpose(1, 2), weight, bias, seq_idx=seq_idx, activation="silu").transpose(1, 2)
+    return CausalConv1dSiLU.apply(x, weight, bias, document_ids)
+
+
+# ---------------------------------------------------------------------------------------- scan
+def _head_major(t: torch.Tensor, c: int, q: int, dtype: torch.dtype) -> torch.Tensor:
+    """[b, c*q, h, *] -> [b, h, c, q, *], contiguous, in `dtype`."""
+    b, _, h = t.shape[:3]
+    return t.transpose(1, 2).to(dtype).contiguous().view(b, h, c, q, *t.shape[3:])
+
+
+def _natural(t: torch.Tensor, length: int) -> torch.Tensor:
+    """[b, h, c, q, *] -> [b, length, h, *] (a view)."""
+    b, h, c, q = t.shape[:4]
+    return t.view(b, h, c * q, *t.shape[4:]).transpose(1, 2)[:, :length]
+
+
+# Tokens (summed over the batch) one block of the scan covers on CPU. The scan's temporaries are
+# several times the size of x; past a few tens of MB they fall out of the CPU's caches and every
+# elementwise pass slows down, so a long sequence is scanned block by block with the state carried
+# across, which keeps the cost per token flat in the sequence length. GPUs scan in one block.
+SCAN_BLOCK_TOKENS = 2048
+
+
+def _scan_block_forward(x, dt, A, B, C, D, q, doc, doc_before, state_in):
+    """One block of whole chunks, natural layout in: x [b,t,h,p], dt [b,t,h], B/C [b,t,g,n],
+    doc [b,t] or None (`doc_before` [b,1]: the document open before the block), state_in [b,h,p,n].
+    Returns (y [b,t,h,p] (a view), state after the block, tensors for backward)."""
+    b, t, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    r, c = h // g, t // q
+    ct = state_in.dtype
+    xh = _head_major(x, c, q, ct)  # [b,h,c,q,p]
+    dth = dt.to(ct).transpose(1, 2).reshape(b, h, c, q)
+    Bg, Cg = _head_major(B, c, q, ct), _head_major(C, c, q, ct)  # [b,g,c,q,n]
+    X = xh * dth[..., None]
+    s = (dth * A.to(ct)[:, None, None]).cumsum(-1)  # log-decay from the chunk's start, [b,h,c,q]
+
+    keep = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
+    w = (s[..., -1:] - s).exp_()  # decay from each step to the chunk's end
+    gamma = s[..., -1].exp()  # decay across the whole chunk, [b,h,c]
+    E = s.exp()  # decay from the chunk's start to each step
+    if doc is not None:
+        d = doc.view(b, 1, c, q)
+        doc_in = torch.cat([doc_before.view(b, 1, 1, 1), d[:, :, :-1, -1:]], dim=2)  # open when a chunk starts
+        keep = keep & (d[..., :, None] == d[..., None, :])
+        w = w * (d == d[..., -1:])
+        gamma = gamma * (d[..., -1] == doc_in[..., 0])
+        E = E * (d == doc_in)
+    L = (s[..., :, None] - s[..., None, :]).masked_fill_(~keep, float("-inf")).exp_()  # [b,h,c,q,q]
+    CB = Cg @ Bg.transpose(-1, -2)  # [b,g,c,q,q]
+
+    # Within each chunk: y = (L * C.B) @ (x * dt).
+    Y = (L.view(b, g, r, c, q, q) * CB[:, :, None]).view(b, h, c, q, q) @ X
+
+    # Each chunk's state at its end, then the state entering each chunk (a short recurrence).
+    S = ((X * w[..., None]).view(b, g, r, c, q, p).transpose(-1, -2) @ Bg[:, :, None]).view(b, h, c, p, n)
+    state, entering = state_in, []
+    for k in range(c):
+        entering.append(state)
+        state = torch.addcmul(S[:, :, k], state, gamma[:, :, k, None, None])
+    P = torch.stack(entering, dim=2)  # [b,h,c,p,n]
+
+    # The carried-in state read out by C, and the skip term.
+    Z = (Cg[:, :, None] @ P.view(b, g, r, c, p, n).transpose(-1, -2)).view(b, h, c, q, p)
+    Y.addcmul_(Z, E[..., None]).addcmul_(xh, D.to(ct)[:, None, None, None])
+    return _natural(Y, t), state, (xh, dth, Bg, Cg, L, CB, w, gamma, E, P)
+
+
+def _scan_block_backward(gy, A, D, saved, grad_state_out):
+    """Gradients of one block given gy [b,t,h,p] and the gradient of the state leaving the block;
+    returns (gx, gdt, gA, gB, gC, gD, gradient of the state entering the block), all in fp32."""
+    xh, dth, Bg, Cg, L, CB, w, gamma, E, P = saved
+    b, h, c, q, p = xh.shape
+    g, n = Bg.shape[1], Bg.shape[-1]
+    r, t, ct = h // g, c * q, xh.dtype
+    gY = _head_major(gy, c, q, ct)  # [b,h,c,q,p]
+    X = xh * dth[..., None]
+
+    # Read-out of the carried-in states: Y += E * (C @ P^T).
+    Z = (Cg[:, :, None] @ P.view(b, g, r, c, p, n).transpose(-1, -2)).view(b, h, c, q, p)
+    gs = (gY * Z).sum(-1).mul_(E)  # gradient of the log-decays s, [b,h,c,q]
+    gZ = (gY * E[..., None]).view(b, g, r, c, q, p)
+    gP = (gZ.transpose(-1, -2) @ Cg[:, :, None]).view(b, h, c, p, n)
+    gC = (gZ @ P.view(b, g, r, c, p, n)).sum(2)  # [b,g,c,q,n]
+
+    # The recurrence P[k+1] = gamma[k] P[k] + S[k], backwards over chunks.
+    gS_rev = []
+    carried = grad_state_out
+    for k in range(c - 1, -1, -1):
+        gS_rev.append(carried)
+        carried = torch.addcmul(gP[:, :, k], carried, gamma[:, :, k, None, None])
+    gS = torch.stack(gS_rev[::-1], dim=2)  # [b,h,c,p,n]
+    gs[..., -1] += (gS * P).sum((-1, -2)).mul_(gamma)
+
+    # Chunk states S = (X * w)^T @ B.
+    gXw = (Bg[:, :, None] @ gS.view(b, g, r, c, p, n).transpose(-1, -2)).view(b, h, c, q, p)
+    gB = ((X * w[..., None]).view(b, g, r, c, q, p) @ gS.view(b, g, r, c, p, n)).sum(2)
+    gw = (gXw * X).sum(-1).mul_(w)
+    gs -= gw
+    gs[..., -1] += gw.sum(-1)
+    gX = gXw.mul_(w[..., None])
+
+    # Within chunks: Y = M @ X with M = L * C.B.
+    M = (L.view(b, g, r, c, q, q) * CB[:, :, None]).view(b, h, c, q, q)
+    gX += M.transpose(-1, -2) @ gY
+    gM = gY @ X.transpose(-1, -2)  # [b,h,c,q,q]
+    gCB = (gM * L).view(b, g, r, c, q, q).sum(2)
+    gM.mul_(M)  # gradient of the exponent s_i - s_j of L
+    gs += gM.sum(-1)
+    gs -= gM.sum(-2)
+    gC += gCB @ Bg
+    gB += gCB.transpose(-1, -2) @ Cg
+
+    # s = cumsum(dt * A) within chunks, X = x * dt, and the skip term D * x.
+    ga = gs.flip(-1).cumsum(-1).flip(-1)
+    gdt = ga * A.to(ct)[:, None, None] + (gX * xh).sum(-1)
+    gA = (ga * dth).sum((0, 2, 3))
+    gD = (gY * xh).sum((0, 2, 3, 4))
+    gx = gX.mul_(dth[..., None]).addcmul_(gY, D.to(ct)[:, None, None, None])
+    return (_natural(gx, t), gdt.view(b, h, t).transpose(1, 2), gA, _natural(gB, t), _natural(gC, t), gD, carried)
+
+
+class SSDChunkScan(torch.autograd.Function):
+    """`ssd_chunked` as one autograd node (see ssd.py for the algorithm and the shapes).
+
+    Computes in fp32 (fp64 for fp64 inputs), block by block of whole chunks (`SCAN_BLOCK_TOKENS`).
+    Saved for backward: the fp32 copies of x, dt, B and C, the masked decay matrices L [b,h,c,q,q]
+    and C.B [b,g,c,q,q], and the states entering each chunk; everything else is recomputed.
+    """
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, chunk_size, document_ids):
+        b, l, h, p = x.shape
+        n = B.shape[3]
+        q = chunk_size
+        pad = (-l) % q
+        ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+        if pad:
+            # Zero dt on padded steps keeps the state unchanged; their outputs are cut off.
+            x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
+            dt = F.pad(dt, (0, 0, 0, pad))
+            if document_ids is not None:
+                document_ids = torch.cat([document_ids, document_ids[:, -1:].expand(b, pad)], dim=1)
+        total = l + pad
+        block = max(q, SCAN_BLOCK_TOKENS // max(b, 1) // q * q) if x.device.type == "cpu" else total
+        y = torch.empty(b, total, h, p, dtype=ct, device=x.device)
+        state = torch.zeros(b, h, p, n, dtype=ct, device=x.device)
+        saved, bounds = [], []
+        for start in range(0, total, block):
+            end = min(start + block, total)
+            doc = doc_before = None
+            if document_ids is not None:
+                doc = document_ids[:, start:end]
+                doc_before = document_ids[:, max(start - 1, 0):max(start, 1)]
+            y_blk, state, tensors = _scan_block_forward(
+                x[:, start:end], dt[:, start:end], A, B[:, start:end], C[:, start:end], D, q, doc, doc_before, state)
+            y[:, start:end] = y_blk
+            saved.append(tensors)
+            bounds.append((start, end))
+        ctx.bounds = bounds
+        ctx.save_for_backward(A, D, *(t for tensors in saved for t in tensors))
+        ctx.shape = (b, l, total, h, p, B.shape[2], n)
+        ctx.dtypes = (x.dtype, dt.dtype, B.dtype, C.dtype)
+        return y[:, :l]
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        A, D, *flat = ctx.saved_tensors
+        per_block = len(flat) // len(ctx.bounds)
+        blocks = [flat[i:i + per_block] for i in range(0, len(flat), per_block)]
+        b, l, total, h, p, g, n = ctx.shape
+        ct = blocks[0][0].dtype
+        grad_y = grad_y.to(ct)
+        if total > l:
+            grad_y = F.pad(grad_y, (0, 0, 0, 0, 0, total - l))
+        gx = torch.empty(b, total, h, p, dtype=ct, device=grad_y.device)
+        gdt = torch.empty(b, total, h, dtype=ct, device=grad_y.device)
+        gB = torch.empty(b, total, g, n, dtype=ct, device=grad_y.device)
+        gC = torch.empty_like(gB)
+        gA = torch.zeros(h, dtype=ct, device=grad_y.device)
+        gD = torch.zeros(h, dtype=ct, device=grad_y.device)
+        carried = torch.zeros(b, h, p, n, dtype=ct, device=grad_y.device)
+        for (start, end), tensors in zip(reversed(ctx.bounds), reversed(blocks)):
+            bx, bdt, bA, bB, bC, bD, carried = _scan_block_backward(grad_y[:, start:end], A, D, tensors, carried)
+            gx[:, start:end], gdt[:, start:end], gB[:, start:end], gC[:, start:end] = bx, bdt, bB, bC
+            gA += bA
+            gD += bD
+        x_dtype, dt_dtype, B_dtype, C_dtype = ctx.dtypes
+        return (gx[:, :l].to(x_dtype), gdt[:, :l].to(dt_dtype), gA.to(A.dtype), gB[:, :l].to(B_dtype),
+                gC[:, :l].to(C_dtype), gD.to(D.dtype), None, None)
+
+
+@functools.cache
+def _triton_scan():
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except ImportError:
+        return None
+    return mamba_chunk_scan_combined
+
+
+def triton_scan_available() -> bool:
+    """Whether `mamba_ssm`'s Triton SSD kernels can be used (installed and a GPU visible)."""
+    return torch.cuda.is_available() and _triton_scan() is not None
+
+
+def cpu_chunk_size(chunk_size: int, head_dim: int, state_size: int) -> int:
+    """Chunk length for the scan on CPU, at most the model's. The result does not depend on it (up
+    to rounding), only the cost: within-chunk work grows with the chunk, and the per-chunk states
+    ([head_dim x state_size] per head) with the number of chunks. Measured on CPU (fwd + bwd), 32
+    was fastest for states up to 64 x 64 and 64 for 64 x 128 and larger."""
+    return min(chunk_size, 32 if head_dim * state_size <= 4096 else 64)
+
+
+def ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    chunk_size: int,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`ssd_chunked`'s contract (dt already discretized): the Triton kernels on CUDA when installed
+    (output in x's dtype), else `SSDChunkScan` (fp32 output)."""
+    if x.is_cuda and _triton_scan() is not None:
+        seq_idx = None if document_ids is None else document_ids.to(torch.int32).contiguous()
+        return _triton_scan()(x, dt, A, B, C, chunk_size, D=D, seq_idx=seq_idx)
+    if x.device.type == "cpu":
+        chunk_size = cpu_chunk_size(chunk_size, x.shape[-1], B.shape[-1])
+    return SSDChunkScan.apply(x, dt, A, B, C, D, chunk_size, document_ids)
+
+
+# ---------------------------------------------------------------------------------------- loss
+class LinearCrossEntropySum(torch.autograd.Function):
+    """sum(cross_entropy(hidden @ weight.T, targets)) over `chunk_size` rows at a time.
+
+    With a large vocabulary the [tokens, vocab] logits, their fp32 copy and their gradient are the
+    largest tensors of a step. Here each chunk's logits live only while that chunk is processed: its
+    gradients with respect to `hidden` and `weight` are computed right away (softmax minus one-hot,
+    two matmuls) and kept, and backward only scales them by the incoming gradient, so the work is
+    the plain path's three matmuls and nothing is recomputed.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size, ignore_index):
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if want_h else None
+        # Summed over chunks in fp32, so low-precision weights lose nothing to the chunking.
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
+            # The plain path's numerics: logits in the model's dtype, the loss in fp32.
+            log_probs = F.linear(h, weight).float().log_softmax(-1)
+            total += F.nll_loss(log_probs, t, ignore_index=ignore_index, reduction="sum")
+            if want_h or want_w:
+                keep = (t != ignore_index)[:, None]
+                grad = log_probs.exp_()
+                grad.scatter_add_(1, t.clamp(min=0)[:, None], -keep.to(grad.dtype))
+                grad = grad.mul_(keep).to(hidden.dtype)
+                if want_h:
+                    grad_h[start:start + chunk_size] = grad @ weight
+                if want_w:
+                    grad_w += grad.t() @ h
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_h, grad_w = ctx.saved_tensors
+        if grad_h is not None:
+            grad_h = grad_h * grad_total.to(grad_h.dtype)
+        if grad_w is not None:
+            grad_w = (grad_w * grad_total).to(ctx.weight_dtype)
+        return grad_h, grad_w, None, None, None
+
+
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int, ignore_index: int = -100
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of cross-entropies of hidden @ weight.T against `targets`, number of counted targets),
+    with only `chunk_size` tokens' logits in memory at a time. hidden [..., d], targets [...].
+    Plain tensors only: a vocab-sharded head's logits take `training.loss.cross_entropy_sum`."""
+    if isinstance(weight, DTensor) or isinstance(hidden, DTensor):
+        raise TypeError("linear_cross_entropy_sum takes plain tensors; vocab-sharded (DTensor) logits take "
+                        "nemotron_recipe.training.loss.cross_entropy_sum")
+    flat_targets = targets.to(hidden.device).flatten()
+    loss = LinearCrossEntropySum.apply(hidden.flatten(0, -2), weight, flat_targets, max(int(chunk_size), 1),
+                                       ignore_index)
+    return loss, (flat_targets != ignore_index).sum()
