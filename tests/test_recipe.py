@@ -295,3 +295,31 @@ def test_lr_schedule_warms_up_then_decays_to_floor():
     assert f(4) == pytest.approx(1.0)
     assert all(f(s) >= f(s + 1) for s in range(4, 20))
     assert f(20) == pytest.approx(0.1)
+
+
+def test_optimizer_is_fused_adamw_with_decay_on_matrices_only():
+    from types import SimpleNamespace
+
+    from nemotron_recipe.training.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    cfg = SimpleNamespace(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    opt = build_optimizer(model, cfg)
+    assert opt.defaults["fused"]
+    assert [[p.ndim for p in g["params"]] for g in opt.param_groups] == [[2], [1, 1, 1]]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    # The same update as the per-op path, up to rounding (each step moves a weight by about lr = 1e-2).
+    ref_model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    ref_model.load_state_dict(model.state_dict())
+    ref = torch.optim.AdamW([{"params": [ref_model[0].weight], "weight_decay": 0.1},
+                             {"params": [ref_model[0].bias, *ref_model[1].parameters()], "weight_decay": 0.0}],
+                            lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        for m, o in ((model, opt), (ref_model, ref)):
+            m(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-5)
