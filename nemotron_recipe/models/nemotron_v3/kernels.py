@@ -114,9 +114,33 @@ def _natural(t: torch.Tensor, length: int) -> torch.Tensor:
 SCAN_BLOCK_TOKENS = 2048
 
 
-def _scan_block_forward(x, dt, A, B, C, D, q, doc, doc_before, state_in):
+def _mm(a: torch.Tensor, b: torch.Tensor, md: torch.dtype, ct: torch.dtype) -> torch.Tensor:
+    """a @ b with both operands in `md`, the result in `ct`. With bf16 inputs the scan's products
+    take bf16 operands (the BLAS accumulates in fp32, as the GPU kernels do), which on CPUs with bf16
+    matmul runs these small batched products several times faster; the decays, the state
+    recurrence and every sum stay in fp32. Operands already in `md` are not copied."""
+    return (a.to(md) @ b.to(md)).to(ct)
+
+
+def _group_major(t: torch.Tensor, g: int, md: torch.dtype) -> torch.Tensor:
+    """[b,h,c,q,p] -> [b,g,c,q,r*p], contiguous, in `md`: the heads sharing a group's B and C side
+    by side, so each state product is one matmul per group and chunk (K or N = r*p) instead of r
+    matmuls on a broadcast (copied) B or C."""
+    b, h, c, q, p = t.shape
+    t = t.view(b, g, h // g, c, q, p).permute(0, 1, 3, 4, 2, 5)
+    return torch.empty(t.shape, dtype=md, device=t.device).copy_(t).view(b, g, c, q, -1)
+
+
+def _head_view(t: torch.Tensor, h: int) -> torch.Tensor:
+    """[b,g,c,q,r*p] -> [b,g,r,c,q,p] (a strided view; head-major once reshaped to [b,h,c,q,p])."""
+    b, g, c, q, _ = t.shape
+    return t.view(b, g, c, q, h // g, -1).permute(0, 1, 4, 2, 3, 5)
+
+
+def _scan_block_forward(x, dt, A, B, C, D, q, doc, doc_before, state_in, md):
     """One block of whole chunks, natural layout in: x [b,t,h,p], dt [b,t,h], B/C [b,t,g,n],
-    doc [b,t] or None (`doc_before` [b,1]: the document open before the block), state_in [b,h,p,n].
+    doc [b,t] or None (`doc_before` [b,1]: the document open before the block), state_in [b,h,p,n];
+    `md` the dtype of the matmul operands (see `_mm`).
     Returns (y [b,t,h,p] (a view), state after the block, tensors for backward)."""
     b, t, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
@@ -124,7 +148,7 @@ def _scan_block_forward(x, dt, A, B, C, D, q, doc, doc_before, state_in):
     ct = state_in.dtype
     xh = _head_major(x, c, q, ct)  # [b,h,c,q,p]
     dth = dt.to(ct).transpose(1, 2).reshape(b, h, c, q)
-    Bg, Cg = _head_major(B, c, q, ct), _head_major(C, c, q, ct)  # [b,g,c,q,n]
+    Bg, Cg = _head_major(B, c, q, md), _head_major(C, c, q, md)  # [b,g,c,q,n], only ever matmul operands
     X = xh * dth[..., None]
     s = (dth * A.to(ct)[:, None, None]).cumsum(-1)  # log-decay from the chunk's start, [b,h,c,q]
 
@@ -140,23 +164,26 @@ def _scan_block_forward(x, dt, A, B, C, D, q, doc, doc_before, state_in):
         gamma = gamma * (d[..., -1] == doc_in[..., 0])
         E = E * (d == doc_in)
     L = (s[..., :, None] - s[..., None, :]).masked_fill_(~keep, float("-inf")).exp_()  # [b,h,c,q,q]
-    CB = Cg @ Bg.transpose(-1, -2)  # [b,g,c,q,q]
+    CB = _mm(Cg, Bg.transpose(-1, -2), md, ct)  # [b,g,c,q,q]
 
     # Within each chunk: y = (L * C.B) @ (x * dt).
-    Y = (L.view(b, g, r, c, q, q) * CB[:, :, None]).view(b, h, c, q, q) @ X
+    Y = _mm((L.view(b, g, r, c, q, q) * CB[:, :, None]).view(b, h, c, q, q), X, md, ct)
 
-    # Each chunk's state at its end, then the state entering each chunk (a short recurrence).
-    S = ((X * w[..., None]).view(b, g, r, c, q, p).transpose(-1, -2) @ Bg[:, :, None]).view(b, h, c, p, n)
-    state, entering = state_in, []
+    # Each chunk's state at its end, [b,g,c,r*p,n], then the state entering each chunk (a short
+    # recurrence over chunks, states kept group-major: [b,g,r,p,n] is [b,h,p,n]).
+    S = _mm(_group_major(X * w[..., None], g, md).transpose(-1, -2), Bg, md, ct).view(b, g, c, r, p, n)
+    decay = gamma.view(b, g, r, c, 1, 1)
+    state, entering = state_in.view(b, g, r, p, n), []
     for k in range(c):
         entering.append(state)
-        state = torch.addcmul(S[:, :, k], state, gamma[:, :, k, None, None])
-    P = torch.stack(entering, dim=2)  # [b,h,c,p,n]
+        state = torch.addcmul(S[:, :, k], state, decay[:, :, :, k])
+    P = torch.stack(entering, dim=2).to(md).view(b, g, c, r * p, n)
 
     # The carried-in state read out by C, and the skip term.
-    Z = (Cg[:, :, None] @ P.view(b, g, r, c, p, n).transpose(-1, -2)).view(b, h, c, q, p)
-    Y.addcmul_(Z, E[..., None]).addcmul_(xh, D.to(ct)[:, None, None, None])
-    return _natural(Y, t), state, (xh, dth, Bg, Cg, L, CB, w, gamma, E, P)
+    Z = _mm(Cg, P.transpose(-1, -2), md, ct)  # [b,g,c,q,r*p]
+    Y.view(b, g, r, c, q, p).addcmul_(_head_view(Z, h), E.view(b, g, r, c, q, 1))
+    Y.addcmul_(xh, D.to(ct)[:, None, None, None])
+    return _natural(Y, t), state.view(b, h, p, n), (xh, dth, Bg, Cg, L, CB, w, gamma, E, P)
 
 
 def _scan_block_backward(gy, A, D, saved, grad_state_out):
@@ -165,29 +192,34 @@ def _scan_block_backward(gy, A, D, saved, grad_state_out):
     xh, dth, Bg, Cg, L, CB, w, gamma, E, P = saved
     b, h, c, q, p = xh.shape
     g, n = Bg.shape[1], Bg.shape[-1]
-    r, t, ct = h // g, c * q, xh.dtype
+    r, t, ct, md = h // g, c * q, xh.dtype, Bg.dtype
     gY = _head_major(gy, c, q, ct)  # [b,h,c,q,p]
+    gYm = gY.to(md)
     X = xh * dth[..., None]
 
-    # Read-out of the carried-in states: Y += E * (C @ P^T).
-    Z = (Cg[:, :, None] @ P.view(b, g, r, c, p, n).transpose(-1, -2)).view(b, h, c, q, p)
-    gs = (gY * Z).sum(-1).mul_(E)  # gradient of the log-decays s, [b,h,c,q]
-    gZ = (gY * E[..., None]).view(b, g, r, c, q, p)
-    gP = (gZ.transpose(-1, -2) @ Cg[:, :, None]).view(b, h, c, p, n)
-    gC = (gZ @ P.view(b, g, r, c, p, n)).sum(2)  # [b,g,c,q,n]
+    # Read-out of the carried-in states: Y += E * (C @ P^T), group-major.
+    Z = _head_view(_mm(Cg, P.transpose(-1, -2), md, ct), h)  # [b,g,r,c,q,p] view
+    Eg = E.view(b, g, r, c, q, 1)
+    gs = (gY.view(b, g, r, c, q, p) * Z).sum(-1).mul_(Eg[..., 0]).view(b, h, c, q)  # gradient of the log-decays s
+    gZ = _group_major(gY * E[..., None], g, md)  # [b,g,c,q,r*p]
+    gP = _mm(gZ.transpose(-1, -2), Cg, md, ct).view(b, g, c, r, p, n)
+    gC = _mm(gZ, P, md, ct)  # [b,g,c,q,n]
 
     # The recurrence P[k+1] = gamma[k] P[k] + S[k], backwards over chunks.
+    decay = gamma.view(b, g, r, c, 1, 1)
     gS_rev = []
-    carried = grad_state_out
+    carried = grad_state_out.view(b, g, r, p, n)
     for k in range(c - 1, -1, -1):
         gS_rev.append(carried)
-        carried = torch.addcmul(gP[:, :, k], carried, gamma[:, :, k, None, None])
-    gS = torch.stack(gS_rev[::-1], dim=2)  # [b,h,c,p,n]
-    gs[..., -1] += (gS * P).sum((-1, -2)).mul_(gamma)
+        carried = torch.addcmul(gP[:, :, k], carried, decay[:, :, :, k])
+    gS = torch.stack(gS_rev[::-1], dim=2)  # [b,g,c,r,p,n]
+    gs.view(b, g, r, c, q)[..., -1] += (gS * P.view(b, g, c, r, p, n)).sum((-1, -2)).transpose(2, 3).mul_(
+        gamma.view(b, g, r, c))
 
     # Chunk states S = (X * w)^T @ B.
-    gXw = (Bg[:, :, None] @ gS.view(b, g, r, c, p, n).transpose(-1, -2)).view(b, h, c, q, p)
-    gB = ((X * w[..., None]).view(b, g, r, c, q, p) @ gS.view(b, g, r, c, p, n)).sum(2)
+    gSm = gS.to(md).view(b, g, c, r * p, n)
+    gXw = _head_view(_mm(Bg, gSm.transpose(-1, -2), md, ct), h).reshape(b, h, c, q, p)
+    gB = _mm(_group_major(X * w[..., None], g, md), gSm, md, ct)  # [b,g,c,q,n]
     gw = (gXw * X).sum(-1).mul_(w)
     gs -= gw
     gs[..., -1] += gw.sum(-1)
@@ -195,14 +227,14 @@ def _scan_block_backward(gy, A, D, saved, grad_state_out):
 
     # Within chunks: Y = M @ X with M = L * C.B.
     M = (L.view(b, g, r, c, q, q) * CB[:, :, None]).view(b, h, c, q, q)
-    gX += M.transpose(-1, -2) @ gY
-    gM = gY @ X.transpose(-1, -2)  # [b,h,c,q,q]
-    gCB = (gM * L).view(b, g, r, c, q, q).sum(2)
+    gX += _mm(M.transpose(-1, -2), gYm, md, ct)
+    gM = _mm(gYm, X.transpose(-1, -2), md, ct)  # [b,h,c,q,q]
+    gCB = (gM * L).view(b, g, r, c, q, q).sum(2).to(md)
     gM.mul_(M)  # gradient of the exponent s_i - s_j of L
     gs += gM.sum(-1)
     gs -= gM.sum(-2)
-    gC += gCB @ Bg
-    gB += gCB.transpose(-1, -2) @ Cg
+    gC += _mm(gCB, Bg, md, ct)
+    gB += _mm(gCB.transpose(-1, -2), Cg, md, ct)
 
     # s = cumsum(dt * A) within chunks, X = x * dt, and the skip term D * x.
     ga = gs.flip(-1).cumsum(-1).flip(-1)
@@ -210,15 +242,18 @@ def _scan_block_backward(gy, A, D, saved, grad_state_out):
     gA = (ga * dth).sum((0, 2, 3))
     gD = (gY * xh).sum((0, 2, 3, 4))
     gx = gX.mul_(dth[..., None]).addcmul_(gY, D.to(ct)[:, None, None, None])
-    return (_natural(gx, t), gdt.view(b, h, t).transpose(1, 2), gA, _natural(gB, t), _natural(gC, t), gD, carried)
+    return (_natural(gx, t), gdt.view(b, h, t).transpose(1, 2), gA, _natural(gB, t), _natural(gC, t), gD,
+            carried.reshape(b, h, p, n))
 
 
 class SSDChunkScan(torch.autograd.Function):
     """`ssd_chunked` as one autograd node (see ssd.py for the algorithm and the shapes).
 
-    Computes in fp32 (fp64 for fp64 inputs), block by block of whole chunks (`SCAN_BLOCK_TOKENS`).
-    Saved for backward: the fp32 copies of x, dt, B and C, the masked decay matrices L [b,h,c,q,q]
-    and C.B [b,g,c,q,q], and the states entering each chunk; everything else is recomputed.
+    Computes in fp32 (fp64 for fp64 inputs), block by block of whole chunks (`SCAN_BLOCK_TOKENS`);
+    with bf16 inputs the batched products take bf16 operands (`_mm`).
+    Saved for backward: fp32 copies of x and dt, B and C (in the matmul dtype), the masked decay
+    matrices L [b,h,c,q,q] and C.B [b,g,c,q,q], and the states entering each chunk (in the matmul
+    dtype); everything else is recomputed.
     """
 
     @staticmethod
@@ -228,6 +263,7 @@ class SSDChunkScan(torch.autograd.Function):
         q = chunk_size
         pad = (-l) % q
         ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+        md = torch.bfloat16 if x.dtype == torch.bfloat16 else ct
         if pad:
             # Zero dt on padded steps keeps the state unchanged; their outputs are cut off.
             x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
@@ -246,7 +282,7 @@ class SSDChunkScan(torch.autograd.Function):
                 doc = document_ids[:, start:end]
                 doc_before = document_ids[:, max(start - 1, 0):max(start, 1)]
             y_blk, state, tensors = _scan_block_forward(
-                x[:, start:end], dt[:, start:end], A, B[:, start:end], C[:, start:end], D, q, doc, doc_before, state)
+                x[:, start:end], dt[:, start:end], A, B[:, start:end], C[:, start:end], D, q, doc, doc_before, state, md)
             y[:, start:end] = y_blk
             saved.append(tensors)
             bounds.append((start, end))
