@@ -33,6 +33,7 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -431,10 +432,10 @@ def sweep(args, cfg, device) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------- report
 COMPARE_HEADER = (
-    "| date | device | config | dtype | mesh | batch x seq | ours tok/s | theirs tok/s | ours/theirs | "
+    "| date (commit) | device | config | dtype | mesh | batch x seq | ours tok/s | theirs tok/s | ours/theirs | "
     "ours TFLOP/s (MFU) | theirs TFLOP/s (MFU) | peak mem ours / theirs | fast paths | command |"
 )
-SWEEP_HEADER = ("| date | device | config | dtype | batch | seq lengths | ours s/step | time ratio (tokens ratio) | "
+SWEEP_HEADER = ("| date (commit) | device | config | dtype | batch | seq lengths | ours s/step | time ratio (tokens ratio) | "
                 "fast paths | command |")
 
 
@@ -451,6 +452,20 @@ def _append_row(header: str, row: str, path: Path | None = None) -> None:
         i += 1
     lines.insert(i, row)
     path.write_text("\n".join(lines) + "\n")
+
+
+def _measured() -> str:
+    """Today's date and the commit measured; "+changes" when tracked files differ from it (this
+    file's results table aside)."""
+    root = RESULTS.parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        changed = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", f":!{RESULTS.relative_to(root)}"],
+                                 cwd=root).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return f"{datetime.date.today()} (no git)"
+    return f"{datetime.date.today()} ({commit}{'+changes' if changed else ''})"
 
 
 def _command(argv: list[str]) -> str:
@@ -506,7 +521,7 @@ def report_compare(args, cfg, device, result, mesh_desc) -> None:
             return _gib(r["memory"]["peak"])
 
         ratio = f"{result['ratio']:.2f}x (cpu {result['cpu_ratio']:.2f}x)" if "ratio" in result else "-"
-        row = (f"| {datetime.date.today()} | {device_name(device)} | {describe(cfg, args.preset)} | {args.dtype} | "
+        row = (f"| {_measured()} | {device_name(device)} | {describe(cfg, args.preset)} | {args.dtype} | "
                f"{mesh_desc} | {args.batch} x {args.seq_len} | {cell('ours', tok)} | {cell('theirs', tok)} | {ratio} | "
                f"{cell('ours', tf)} | {cell('theirs', tf)} | {cell('ours', mem)} / {cell('theirs', mem)} | "
                f"{fast_paths(args)} | `{_command(args.argv)}` |")
@@ -525,7 +540,7 @@ def report_sweep(args, cfg, device, out) -> None:
     if args.record:
         per = ", ".join(f"{out['medians'][('ours', n)]:.3f}" for n in lens) if ("ours", lens[0]) in out["medians"] else "-"
         ratio = f"{out['ours_ratio']:.2f}" if "ours_ratio" in out else "-"
-        row = (f"| {datetime.date.today()} | {device_name(device)} | {describe(cfg, args.preset)} | {args.dtype} | "
+        row = (f"| {_measured()} | {device_name(device)} | {describe(cfg, args.preset)} | {args.dtype} | "
                f"{args.batch} | {', '.join(map(str, lens))} | {per} | {ratio} ({lens[-1] / lens[0]:.1f}) | "
                f"{fast_paths(args)} | `{_command(args.argv)}` |")
         _append_row(SWEEP_HEADER, row)
