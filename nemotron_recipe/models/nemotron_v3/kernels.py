@@ -115,7 +115,7 @@ SCAN_BLOCK_TOKENS = 2048
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, md: torch.dtype, ct: torch.dtype) -> torch.Tensor:
-    """a @ b with both operands in `md`, the result in `ct`. With bf16 inputs the scan's products
+    """a @ b with both operands in `md`, the result in `ct` (`md` when it only feeds an fp32 sum). With bf16 inputs the scan's products
     take bf16 operands (the BLAS accumulates in fp32, as the GPU kernels do), which on CPUs with bf16
     matmul runs these small batched products several times faster; the decays, the state
     recurrence and every sum stay in fp32. Operands already in `md` are not copied."""
@@ -171,13 +171,14 @@ def _scan_block_forward(x, dt, A, B, C, D, q, doc, doc_before, state_in, md):
 
     # Each chunk's state at its end, [b,g,c,r*p,n], then the state entering each chunk (a short
     # recurrence over chunks, states kept group-major: [b,g,r,p,n] is [b,h,p,n]).
-    S = _mm(_group_major(X * w[..., None], g, md).transpose(-1, -2), Bg, md, ct).view(b, g, c, r, p, n)
+    S = _mm(_group_major(X * w[..., None], g, md).transpose(-1, -2), Bg, md, md).view(b, g, c, r, p, n)
     decay = gamma.view(b, g, r, c, 1, 1)
-    state, entering = state_in.view(b, g, r, p, n), []
+    state = state_in.view(b, g, r, p, n)
+    P = torch.empty(b, g, c, r, p, n, dtype=md, device=x.device)  # written chunk by chunk, no stack
     for k in range(c):
-        entering.append(state)
-        state = torch.addcmul(S[:, :, k], state, decay[:, :, :, k])
-    P = torch.stack(entering, dim=2).to(md).view(b, g, c, r * p, n)
+        P[:, :, k] = state
+        state = torch.addcmul(S[:, :, k], state, decay[:, :, :, k])  # fp32: S is promoted
+    P = P.view(b, g, c, r * p, n)
 
     # The carried-in state read out by C, and the skip term.
     Z = _mm(Cg, P.transpose(-1, -2), md, ct)  # [b,g,c,q,r*p]
@@ -202,22 +203,23 @@ def _scan_block_backward(gy, A, D, saved, grad_state_out):
     Eg = E.view(b, g, r, c, q, 1)
     gs = (gY.view(b, g, r, c, q, p) * Z).sum(-1).mul_(Eg[..., 0]).view(b, h, c, q)  # gradient of the log-decays s
     gZ = _group_major(gY * E[..., None], g, md)  # [b,g,c,q,r*p]
-    gP = _mm(gZ.transpose(-1, -2), Cg, md, ct).view(b, g, c, r, p, n)
+    gP = _mm(gZ.transpose(-1, -2), Cg, md, md).view(b, g, c, r, p, n)
     gC = _mm(gZ, P, md, ct)  # [b,g,c,q,n]
 
-    # The recurrence P[k+1] = gamma[k] P[k] + S[k], backwards over chunks.
+    # The recurrence P[k+1] = gamma[k] P[k] + S[k], backwards over chunks (carried in fp32).
     decay = gamma.view(b, g, r, c, 1, 1)
-    gS_rev = []
+    gS = torch.empty(b, g, c, r, p, n, dtype=md, device=xh.device)
+    dots = torch.empty(b, g, c, r, dtype=ct, device=xh.device)  # <gS[k], P[k]>: d/d gamma[k] of gamma[k] P[k]
+    Pk = P.view(b, g, c, r, p, n)
     carried = grad_state_out.view(b, g, r, p, n)
     for k in range(c - 1, -1, -1):
-        gS_rev.append(carried)
+        gS[:, :, k] = carried
+        dots[:, :, k] = (carried * Pk[:, :, k]).sum((-1, -2))  # while both are in cache, in fp32
         carried = torch.addcmul(gP[:, :, k], carried, decay[:, :, :, k])
-    gS = torch.stack(gS_rev[::-1], dim=2)  # [b,g,c,r,p,n]
-    gs.view(b, g, r, c, q)[..., -1] += (gS * P.view(b, g, c, r, p, n)).sum((-1, -2)).transpose(2, 3).mul_(
-        gamma.view(b, g, r, c))
+    gs.view(b, g, r, c, q)[..., -1] += dots.transpose(2, 3).mul_(gamma.view(b, g, r, c))
 
     # Chunk states S = (X * w)^T @ B.
-    gSm = gS.to(md).view(b, g, c, r * p, n)
+    gSm = gS.view(b, g, c, r * p, n)
     gXw = _head_view(_mm(Bg, gSm.transpose(-1, -2), md, ct), h).reshape(b, h, c, q, p)
     gB = _mm(_group_major(X * w[..., None], g, md), gSm, md, ct)  # [b,g,c,q,n]
     gw = (gXw * X).sum(-1).mul_(w)
