@@ -6,9 +6,10 @@ The plain compositions (`ssd_chunked` in ssd.py, `causal_conv1d` in ops.py) are 
 compute the same function, and tests compare them, and the scan against the step-by-step recurrence.
 Hand-written backward passes are what make them fast in eager PyTorch: autograd of the plain scan
 saves and revisits many [chunk x chunk]-sized temporaries per head, and its batched matmuls run on
-strided views that the CPU BLAS cannot batch; here every product runs on contiguous head-major
-operands, the decay matrices are built once and shared by forward and backward, and the state
-recurrence over chunks runs outside autograd. The depthwise conv's oneDNN backward is slow on CPU (and
+strided views that the CPU BLAS cannot batch; here every product runs on contiguous operands
+(head-major within chunks, group-major for the states, so B and C are never copied per head), the
+decay matrices are built once and shared by forward and backward, and the state recurrence over
+chunks runs outside autograd. The depthwise conv's oneDNN backward is slow on CPU (and
 very slow when cores are oversubscribed), so the conv is four shifted multiply-adds.
 
 Shapes: b batch, l sequence, h heads, p head dim, g groups (h = g * r), n state, q chunk, c chunks.
@@ -115,10 +116,11 @@ SCAN_BLOCK_TOKENS = 2048
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, md: torch.dtype, ct: torch.dtype) -> torch.Tensor:
-    """a @ b with both operands in `md`, the result in `ct` (`md` when it only feeds an fp32 sum). With bf16 inputs the scan's products
-    take bf16 operands (the BLAS accumulates in fp32, as the GPU kernels do), which on CPUs with bf16
-    matmul runs these small batched products several times faster; the decays, the state
-    recurrence and every sum stay in fp32. Operands already in `md` are not copied."""
+    """a @ b with both operands in `md`, the result in `ct` (callers pass `md` where the result only
+    feeds an fp32 sum). With bf16 inputs the scan's products take bf16 operands (the BLAS
+    accumulates in fp32, as the GPU kernels do), which on CPUs with bf16 matmul runs these small
+    batched products several times faster; the decays, the state recurrence and every sum stay in
+    fp32. Operands already in `md` are not copied."""
     return (a.to(md) @ b.to(md)).to(ct)
 
 
