@@ -48,6 +48,20 @@ def hf_pair(tmp_path_factory):
     return hf, ours, path
 
 
+def _hf_named_grads(hf) -> dict[str, torch.Tensor]:
+    """transformers' gradients under the released checkpoint names, experts one by one."""
+    grads = {}
+    for name, p in hf.named_parameters():
+        name = name.replace("model.", "backbone.", 1)
+        if name.endswith(("mixer.experts.up_proj", "mixer.experts.down_proj")):
+            base, proj = name.rsplit(".", 1)
+            for e in range(p.shape[0]):
+                grads[f"{base}.{e}.{proj}.weight"] = p.grad[e]
+        else:
+            grads[name] = p.grad
+    return grads
+
+
 @pytest.mark.parametrize("seq_len", [21, 16])
 def test_logits_loss_and_grads_match_transformers(hf_pair, seq_len):
     hf, ours, _ = hf_pair
@@ -62,15 +76,7 @@ def test_logits_loss_and_grads_match_transformers(hf_pair, seq_len):
     out_hf.loss.backward()
     out.loss.backward()
     ours_grads = native_to_hf({n: p.grad for n, p in ours.named_parameters()}, ours.config)
-    hf_grads = {}
-    for name, p in hf.named_parameters():
-        name = name.replace("model.", "backbone.", 1)
-        if name.endswith(("mixer.experts.up_proj", "mixer.experts.down_proj")):
-            base, proj = name.rsplit(".", 1)
-            for e in range(p.shape[0]):
-                hf_grads[f"{base}.{e}.{proj}.weight"] = p.grad[e]
-        else:
-            hf_grads[name] = p.grad
+    hf_grads = _hf_named_grads(hf)
     assert set(hf_grads) == set(ours_grads)
     for name, g in hf_grads.items():
         torch.testing.assert_close(ours_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
@@ -208,19 +214,6 @@ def test_checkpoint_mismatch_is_a_clear_error(tmp_path):
     (tmp_path / "ok" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="shapes differ"):
         NemotronHForCausalLM.from_pretrained(str(tmp_path / "ok"))
-
-
-def _hf_named_grads(hf) -> dict[str, torch.Tensor]:
-    grads = {}
-    for name, p in hf.named_parameters():
-        name = name.replace("model.", "backbone.", 1)
-        if name.endswith(("mixer.experts.up_proj", "mixer.experts.down_proj")):
-            base, proj = name.rsplit(".", 1)
-            for e in range(p.shape[0]):
-                grads[f"{base}.{e}.{proj}.weight"] = p.grad[e]
-        else:
-            grads[name] = p.grad
-    return grads
 
 
 def test_bf16_gradients_as_accurate_as_transformers_in_bf16(hf_pair):
