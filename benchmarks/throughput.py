@@ -43,19 +43,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nemotron_recipe.models.nemotron_v3 import (
-    PRESETS,
-    NemotronHConfig,
-    NemotronHForCausalLM,
-)
+from nemotron_recipe.models.nemotron_v3 import PRESETS, NemotronHConfig, NemotronHForCausalLM
 from nemotron_recipe.models.nemotron_v3.checkpoint import hf_to_native
 from nemotron_recipe.models.nemotron_v3.flops import forward_flops, training_flops
-from nemotron_recipe.training.loss import (
-    IGNORE_INDEX,
-    cross_entropy_sum,
-    forward_loss_sum,
-    loss_parallel_for,
-)
+from nemotron_recipe.training.loss import IGNORE_INDEX, cross_entropy_sum, forward_loss_sum, loss_parallel_for
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

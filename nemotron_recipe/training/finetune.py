@@ -33,11 +33,7 @@ from nemotron_recipe.training.compile import compile_blocks
 from nemotron_recipe.training.cpu_memory import keep_freed_memory
 from nemotron_recipe.training.hf_io import build_meta_model, load_hf_sharded
 from nemotron_recipe.training.logging import MetricsWriter, earlier_val_losses, print_summary
-from nemotron_recipe.training.loss import (
-    IGNORE_INDEX,
-    forward_loss_sum,
-    local_value,
-)
+from nemotron_recipe.training.loss import IGNORE_INDEX, forward_loss_sum, local_value
 from nemotron_recipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from nemotron_recipe.training.preemption import StopConditions
 from nemotron_recipe.training.setup import DataLayout, build_device_mesh, data_layout, parallelize_model
