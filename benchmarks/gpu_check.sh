@@ -13,7 +13,7 @@
 #   SEQ_LEN, BATCH    shape of the timed steps (default 2048 x 4).
 set -uo pipefail
 
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 start=$SECONDS
 status=0
 step() { printf '\n== %s (%ds)\n' "$1" "$((SECONDS - start))"; }

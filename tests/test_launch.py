@@ -28,7 +28,8 @@ from omegaconf import OmegaConf
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN_SH = REPO / "launch" / "torchrun.sh"
 SLURM_SBATCH = REPO / "launch" / "slurm.sbatch"
-SCRIPTS = [TORCHRUN_SH, SLURM_SBATCH]
+# Every shell script the repository ships (the GPU check too: it runs where nobody can fix it mid-run).
+SCRIPTS = [TORCHRUN_SH, SLURM_SBATCH, REPO / "benchmarks" / "gpu_check.sh"]
 SUBMITIT_YAML = REPO / "conf" / "hydra" / "launcher" / "submitit_slurm.yaml"
 
 # Overrides a shell would mangle if the scripts quoted them carelessly.

@@ -6,6 +6,8 @@ the reference, and recorded in benchmarks/RESULTS.md.
 
 import logging
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -415,3 +417,12 @@ def test_peak_is_finite():
 
     peak = peak_matmul_flops(torch.device("cpu"), torch.float32, n=64, reps=2)
     assert math.isfinite(peak) and peak > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_gpu_check_stops_at_once_without_cuda():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120,
+                          env={"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "SKIP_INSTALL": "1"})
+    assert proc.returncode == 1
+    assert "no usable torch with CUDA" in proc.stdout and "CUDA is not available" in proc.stderr
