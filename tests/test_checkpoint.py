@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from torch.distributed.checkpoint import FileSystemReader
 
 from nemotron_recipe.models.nemotron_v3 import PRESETS, CheckpointError, NemotronHConfig, NemotronHForCausalLM
@@ -30,30 +29,20 @@ from nemotron_recipe.training.finetune import run
 from nemotron_recipe.training.hf_io import build_meta_model, load_checkpoint_model, load_hf_sharded
 from nemotron_recipe.training.optim import lr_factor
 
+from helpers import RUN_BASE, compose_run, metrics_rows, perturb_off_init
+
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 WORKER = REPO / "tests" / "distributed" / "recipe_worker.py"
 
-TINY = [
-    "trainer.seq_len=64",
-    "trainer.global_batch_size=4",
-    "trainer.micro_batch_size=2",
-    "trainer.log_every=1",
-    "data.val_max_batches=1",
-    "logger.console.progress_bar=false",
-]
+TINY = RUN_BASE
 # 20 steps whose LR schedule (warmup, then cosine) is still moving at the resume point.
 CURVE = [*TINY, "trainer.max_steps=20", "trainer.val_every=10", "optim.warmup_steps=4"]
 FSDP2_TP2 = ["mesh.tp=2", "ac=full"]  # activation checkpointing: names must not depend on it
 
 
-def make_cfg(run_dir: Path, *overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose(config_name="finetune", overrides=[*TINY, f"run_dir={run_dir}", *overrides])
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+make_cfg = compose_run
+rows = metrics_rows
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -88,13 +77,7 @@ def hf_tiny_checkpoint(path: Path) -> Path:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     hf = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**PRESETS["tiny"].to_hf_dict())).float()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name or name.endswith(("D", "dt_bias")):
-                p.add_(0.1 * torch.randn_like(p))
-        for name, b in hf.named_buffers():
-            if "e_score_correction_bias" in name:
-                b.copy_(0.1 * torch.randn_like(b))
+    perturb_off_init(hf)
     hf.save_pretrained(path)
     return path
 

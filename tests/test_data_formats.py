@@ -3,6 +3,7 @@ packing: through the data layer, and end to end through the recipe."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -16,7 +17,6 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 
 from nemotron_recipe.config import ConfigError, build_model_config
 from nemotron_recipe.data import (
@@ -37,6 +37,8 @@ from nemotron_recipe.training import finetune
 from nemotron_recipe.training.finetune import run
 from nemotron_recipe.training import loss as loss_module
 from nemotron_recipe.training.loss import cross_entropy_sum
+
+from helpers import RUN_BASE, compose_run, metrics_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -392,27 +394,14 @@ def test_packing_keeps_every_document_whole_and_apart():
 
 
 # ---------------------------------------------------------------------------------------- recipe
-TINY = [
-    "trainer.max_steps=2",
-    "trainer.val_every=0",
-    "trainer.log_every=1",
-    "trainer.seq_len=64",
-    "trainer.global_batch_size=4",
-    "trainer.micro_batch_size=2",
-    "data.val_max_batches=1",
-    "logger.console.progress_bar=false",
-]
+TINY = [*RUN_BASE, "trainer.max_steps=2", "trainer.val_every=0"]
 
 
-def compose_cfg(run_dir: Path, *overrides: str):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        return compose(config_name="finetune", overrides=[*TINY, f"run_dir={run_dir}", *overrides])
+compose_cfg = functools.partial(compose_run, base=TINY)
 
 
 def train_rows(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "loss" in r]
-
+    return [r for r in metrics_rows(run_dir) if "loss" in r]
 
 def _many_chats(n: int) -> list[dict]:
     return [{"messages": CHATS[i % len(CHATS)]} for i in range(n)]

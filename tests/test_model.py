@@ -15,6 +15,8 @@ from nemotron_recipe.models.nemotron_v3 import (
 from nemotron_recipe.models.nemotron_v3.checkpoint import hf_to_native, native_to_hf
 from nemotron_recipe.models.nemotron_v3.ssd import ssd_chunked, ssd_naive
 
+from helpers import perturb_off_init, scan_inputs
+
 transformers = pytest.importorskip("transformers")
 
 HF_DIMS = dict(
@@ -25,23 +27,12 @@ HF_DIMS = dict(
 )
 
 
-def _perturb(model):
-    """Random init leaves norms at 1 and the router bias at 0; move them so every path is exercised."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(("D", "dt_bias")):
-                p.add_(0.1 * torch.randn_like(p))
-        for name, b in model.named_buffers():
-            if "e_score_correction_bias" in name:
-                b.copy_(0.1 * torch.randn_like(b))
-
-
 @pytest.fixture(scope="module")
 def hf_pair(tmp_path_factory):
     torch.manual_seed(0)
     hf_cfg = transformers.NemotronHConfig(hybrid_override_pattern="M*-EM", **HF_DIMS)
     hf = transformers.NemotronHForCausalLM(hf_cfg).float()
-    _perturb(hf)
+    perturb_off_init(hf)
     path = tmp_path_factory.mktemp("hf")
     hf.save_pretrained(path)
     ours = NemotronHForCausalLM.from_pretrained(str(path))
@@ -128,14 +119,7 @@ def test_layout_round_trip():
 
 @pytest.mark.parametrize("seq_len,chunk", [(64, 16), (50, 16), (7, 16), (33, 8)])
 def test_chunked_scan_matches_recurrence(seq_len, chunk):
-    g = torch.Generator().manual_seed(seq_len)
-    b, h, p, groups, n = 2, 6, 4, 3, 5
-    x = torch.randn(b, seq_len, h, p, generator=g)
-    dt = torch.rand(b, seq_len, h, generator=g) * 0.5 + 0.01
-    A = -torch.rand(h, generator=g) * 3
-    B = torch.randn(b, seq_len, groups, n, generator=g)
-    C = torch.randn(b, seq_len, groups, n, generator=g)
-    D = torch.randn(h, generator=g)
+    x, dt, A, B, C, D = scan_inputs(seq_len, torch.Generator().manual_seed(seq_len))
     y = ssd_chunked(x, dt, A, B, C, D, chunk)
     torch.testing.assert_close(y.double(), ssd_naive(x, dt, A, B, C, D), rtol=1e-5, atol=1e-5)
 

@@ -15,6 +15,8 @@ from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCaus
 from nemotron_recipe.models.nemotron_v3.ops import causal_conv1d
 from nemotron_recipe.models.nemotron_v3.ssd import ssd_chunked, ssd_naive
 
+from helpers import scan_inputs
+
 # Every block kind; chunk 8 so documents start inside chunks, at chunk edges and span several.
 CFG = NemotronHConfig(
     pattern="M*EM-", vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -73,14 +75,7 @@ def test_gradients_do_not_cross_documents():
 
 @pytest.mark.parametrize("seq_len,chunk", [(40, 8), (37, 16)])
 def test_scan_resets_state_at_document_starts(seq_len, chunk):
-    g = torch.Generator().manual_seed(seq_len)
-    b, h, p, groups, n = 2, 4, 3, 2, 5
-    x = torch.randn(b, seq_len, h, p, generator=g)
-    dt = torch.rand(b, seq_len, h, generator=g) * 0.5 + 0.01
-    A = -torch.rand(h, generator=g) * 3
-    B = torch.randn(b, seq_len, groups, n, generator=g)
-    C = torch.randn(b, seq_len, groups, n, generator=g)
-    D = torch.randn(h, generator=g)
+    x, dt, A, B, C, D = scan_inputs(seq_len, torch.Generator().manual_seed(seq_len), h=4, p=3, groups=2)
     docs = torch.stack([torch.arange(seq_len) // 7, torch.arange(seq_len) // 16])
     torch.testing.assert_close(ssd_chunked(x, dt, A, B, C, D, chunk, docs).double(),
                                ssd_naive(x, dt, A, B, C, D, docs), rtol=1e-5, atol=1e-5)

@@ -26,6 +26,8 @@ from nemotron_recipe.models.nemotron_v3.ssd import ssd_chunked, ssd_naive
 from nemotron_recipe.training.compile import compile_blocks
 from nemotron_recipe.training.loss import cross_entropy_sum
 
+from helpers import scan_inputs
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -36,18 +38,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # ------------------------------------------------------------------------------------------ Mamba2 ops
 def _scan_inputs(seq, dtype=torch.float64, docs=False, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    b, h, p, groups, n = 2, 6, 4, 3, 5
-    x = torch.randn(b, seq, h, p, generator=g, dtype=dtype)
-    dt = torch.rand(b, seq, h, generator=g, dtype=dtype) * 0.5 + 0.01
-    A = -torch.rand(h, generator=g, dtype=dtype) * 3
-    B = torch.randn(b, seq, groups, n, generator=g, dtype=dtype)
-    C = torch.randn(b, seq, groups, n, generator=g, dtype=dtype)
-    D = torch.randn(h, generator=g, dtype=dtype)
+    inputs = scan_inputs(seq, g, dtype=dtype)
     doc = None
     if docs:  # three documents per row, cut at random places (one row may start a document mid-chunk)
-        cuts = torch.sort(torch.randint(1, seq, (b, 2), generator=g), dim=1).values
+        cuts = torch.sort(torch.randint(1, seq, (inputs[0].shape[0], 2), generator=g), dim=1).values
         doc = (torch.arange(seq)[None, :, None] >= cuts[:, None, :]).sum(-1).to(device)
-    inputs = [t.to(device).requires_grad_() for t in (x, dt, A, B, C, D)]
+    inputs = [t.to(device).requires_grad_() for t in inputs]
     return inputs, doc
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
 from nemotron_recipe.config import ConfigError, ModelConfig, build_model_config, run_id
@@ -21,29 +20,16 @@ from nemotron_recipe.training.finetune import run
 from nemotron_recipe.training.loss import cross_entropy_sum
 from nemotron_recipe.training.optim import clip_grad_norm_, lr_factor
 
+from helpers import RUN_BASE, compose_run, metrics_rows
+
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 
-TINY = [
-    "trainer.max_steps=4",
-    "trainer.val_every=2",
-    "trainer.log_every=1",
-    "trainer.seq_len=64",
-    "trainer.global_batch_size=4",
-    "trainer.micro_batch_size=2",
-    "data.val_max_batches=1",
-    "logger.console.progress_bar=false",
-]
+TINY = [*RUN_BASE, "trainer.max_steps=4", "trainer.val_every=2"]
 
 
-def make_cfg(tmp_path: Path, *overrides: str):
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose(config_name="finetune", overrides=[*TINY, f"run_dir={tmp_path}", *overrides])
-
-
-def read_rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
+make_cfg = functools.partial(compose_run, base=TINY)
+read_rows = metrics_rows
 
 def cli(*args: str, cwd: Path = REPO, timeout: int = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "WANDB_SILENT": "true"}

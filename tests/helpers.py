@@ -1,0 +1,55 @@
+"""Helpers the test modules share: tiny recipe runs, their metrics, and random model inputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+
+# Overrides that make a recipe run take seconds; each module adds its step and validation counts.
+RUN_BASE = [
+    "trainer.seq_len=64",
+    "trainer.global_batch_size=4",
+    "trainer.micro_batch_size=2",
+    "trainer.log_every=1",
+    "data.val_max_batches=1",
+    "logger.console.progress_bar=false",
+]
+
+
+def compose_run(run_dir: Path, *overrides: str, base: list[str] = RUN_BASE):
+    """The recipe's composed config for a run in `run_dir`: `base`, then `overrides`."""
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose(config_name="finetune", overrides=[*base, f"run_dir={run_dir}", *overrides])
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def perturb_off_init(model: torch.nn.Module) -> None:
+    """Random init leaves norms at 1 and the router bias at 0; move them so every path is exercised."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(("D", "dt_bias")):
+                p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(0.1 * torch.randn_like(b))
+
+
+def scan_inputs(seq_len: int, g: torch.Generator, *, b: int = 2, h: int = 6, p: int = 4, groups: int = 3,
+                n: int = 5, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Random SSD scan inputs [x, dt, A, B, C, D] drawn from `g`, dt in (0.01, 0.51) and A negative."""
+    x = torch.randn(b, seq_len, h, p, generator=g, dtype=dtype)
+    dt = torch.rand(b, seq_len, h, generator=g, dtype=dtype) * 0.5 + 0.01
+    A = -torch.rand(h, generator=g, dtype=dtype) * 3
+    B = torch.randn(b, seq_len, groups, n, generator=g, dtype=dtype)
+    C = torch.randn(b, seq_len, groups, n, generator=g, dtype=dtype)
+    D = torch.randn(h, generator=g, dtype=dtype)
+    return [x, dt, A, B, C, D]
