@@ -225,14 +225,18 @@ class Checkpointer:
             },
             "run_dir": str(run_dir),
         }
-        found = self._on_rank0(lambda: self._find_resume(c.resume, model_config))
+        found = self.on_rank0(lambda: self._find_resume(c.resume, model_config))
         self.resume_from: Path | None = None if found is None else Path(found[0])
         self.resume_meta: dict[str, Any] | None = None if found is None else found[1]
         self.last_saved: Path | None = None
 
     # ------------------------------------------------------------------ coordination
-    def _on_rank0(self, fn: Callable[[], T]) -> T:
-        """Run `fn` on rank 0 and hand its result, or its failure, to every rank."""
+    def on_rank0(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on rank 0 and hand its result, or its failure, to every rank.
+
+        Public so that work on this run's checkpoints done elsewhere (an export) is coordinated the
+        same way: `fn`'s result must be picklable, and a failure reaches every rank as a CheckpointError.
+        """
         box: list[Any] = [None]
         if self.rank == 0:
             try:
@@ -316,7 +320,7 @@ class Checkpointer:
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> Path:
         began = time.perf_counter()
         name = step_name(step)
-        tmp = self.root / self._on_rank0(lambda: f"{name}{TMP_MARK}{uuid.uuid4().hex[:12]}")
+        tmp = self.root / self.on_rank0(lambda: f"{name}{TMP_MARK}{uuid.uuid4().hex[:12]}")
         model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
         state = {
             "model": model_sd,
@@ -336,20 +340,11 @@ class Checkpointer:
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
         final = self.root / name
-        self._on_rank0(lambda: self._publish(tmp, final, meta))
+        self.on_rank0(lambda: self._publish(tmp, final, meta))
         dist.barrier()
         self.last_saved = final
         log.info("checkpoint %s written in %.1f s", final, time.perf_counter() - began)
         return final
-
-    def export_last(self, out_dir: Path) -> Path:
-        """Rank 0 writes the newest saved checkpoint as a Hugging Face directory; the others wait."""
-        from nemotron_recipe.training.hf_io import export_hf
-
-        source = self.last_saved or self.resume_from
-        if source is None:
-            raise CheckpointError("no checkpoint was saved or resumed by this run, so there is nothing to export")
-        return Path(self._on_rank0(lambda: str(export_hf(source, out_dir))))
 
     def _publish(self, tmp: Path, final: Path, meta: dict[str, Any]) -> None:
         with open(tmp / META, "w", encoding="utf-8") as f:

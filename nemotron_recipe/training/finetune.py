@@ -31,7 +31,7 @@ from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCaus
 from nemotron_recipe.training.checkpoint import Checkpointer
 from nemotron_recipe.training.compile import compile_blocks
 from nemotron_recipe.training.cpu_memory import keep_freed_memory
-from nemotron_recipe.training.hf_io import build_meta_model, load_hf_sharded
+from nemotron_recipe.training.hf_io import build_meta_model, export_run_checkpoint, load_hf_sharded
 from nemotron_recipe.training.logging import MetricsWriter, earlier_val_losses, print_summary
 from nemotron_recipe.training.loss import IGNORE_INDEX, forward_loss_sum, local_value
 from nemotron_recipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
@@ -265,7 +265,7 @@ def run(cfg: Any) -> dict[str, Any]:
             if not stopped:
                 validate(t.max_steps)
                 if cfg.checkpoint.export_hf:
-                    hf_dir = str(checkpointer.export_last(run_dir / "hf"))
+                    hf_dir = str(export_run_checkpoint(checkpointer, run_dir / "hf"))
 
             first = val_history[0][1] if val_history else None
             last = val_history[-1][1] if val_history else None

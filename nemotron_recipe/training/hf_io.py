@@ -11,7 +11,11 @@ differences are resolved while reading:
 
 Export: a DCP training checkpoint is loaded into an unsharded model in one process without any
 process group (DCP reassembles the shards of whatever mesh saved it) and written by the model's
-own `save_pretrained`, with the run's tokenizer next to it.
+own `save_pretrained`, with the run's tokenizer next to it. `export_hf` is the whole export (the
+`recipes.export` command); `export_run_checkpoint` is the end of a training run, where every rank
+calls it and rank 0 alone exports.
+
+This module reads checkpoints through `checkpoint.py`; that module never imports this one.
 """
 
 from __future__ import annotations
@@ -29,7 +33,13 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from nemotron_recipe.models.nemotron_v3 import CheckpointError, ModelConfigError, NemotronHConfig, NemotronHForCausalLM
 from nemotron_recipe.models.nemotron_v3.checkpoint import mamba_conv_order, mamba_in_proj_order, safetensors_files
-from nemotron_recipe.training.checkpoint import check_tensors, find_checkpoint, read_dcp_metadata, read_meta
+from nemotron_recipe.training.checkpoint import (
+    Checkpointer,
+    check_tensors,
+    find_checkpoint,
+    read_dcp_metadata,
+    read_meta,
+)
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +201,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     model.save_pretrained(str(out))
     tokenizer = meta.get("tokenizer")
     if tokenizer and Path(tokenizer).exists():
+        # Imported here: the data package loads transformers and datasets, which only this line needs.
         from nemotron_recipe.data import load_tokenizer
 
         load_tokenizer(tokenizer).save_pretrained(str(out))
@@ -198,3 +209,12 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
         log.warning("tokenizer %r recorded in %s no longer exists: exported the weights without it", tokenizer, path)
     log.info("exported %s (step %d) to %s", path, meta["step"], out)
     return out
+
+
+def export_run_checkpoint(checkpointer: Checkpointer, out_dir: Path) -> Path:
+    """Rank 0 exports this run's newest checkpoint (the last one saved, else the one resumed from) to
+    `out_dir` while the others wait; called on every rank, which all get the directory or the same error."""
+    source = checkpointer.last_saved or checkpointer.resume_from
+    if source is None:
+        raise CheckpointError("no checkpoint was saved or resumed by this run, so there is nothing to export")
+    return Path(checkpointer.on_rank0(lambda: str(export_hf(source, out_dir))))
