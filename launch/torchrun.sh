@@ -9,7 +9,8 @@
 # Environment (defaults in brackets):
 #   NNODES          number of nodes [1]
 #   NPROC_PER_NODE  processes per node [one per visible GPU, counted from CUDA_VISIBLE_DEVICES if
-#                   set, else nvidia-smi; 1 without GPUs]
+#                   set, else nvidia-smi; without GPUs, on one node as many as the mesh needs
+#                   (`python -m recipes.mesh_size <overrides>`), on several nodes 1]
 #   MASTER_ADDR     host of the rendezvous store, reachable from every node [required when NNODES > 1]
 #   MASTER_PORT     its port [29500]
 #   RDZV_ID         id shared by the nodes of one launch [NR_RUN_ID; required when NNODES > 1]
@@ -60,12 +61,19 @@ visible_gpus() {
 }
 
 nnodes=${NNODES:-1}
+[[ $nnodes =~ ^[1-9][0-9]*$ ]] || die "NNODES=$nnodes: expected a positive integer."
 nproc_per_node=${NPROC_PER_NODE:-}
 if [[ -z $nproc_per_node ]]; then
     nproc_per_node=$(visible_gpus)
+    if ((nproc_per_node == 0 && nnodes == 1)); then
+        # No devices to count, so start as many processes as the mesh needs. They are counted from
+        # the recipe's own composition, so a mesh group, a key override or a mistake reads as it
+        # will there, and a mistake stops the launch before any process starts.
+        nproc_per_node=$(python -m recipes.mesh_size "$@") ||
+            die "cannot count the processes the mesh needs (above); fix the overrides, or set NPROC_PER_NODE."
+    fi
     ((nproc_per_node > 0)) || nproc_per_node=1
 fi
-[[ $nnodes =~ ^[1-9][0-9]*$ ]] || die "NNODES=$nnodes: expected a positive integer."
 [[ $nproc_per_node =~ ^[1-9][0-9]*$ ]] || die "NPROC_PER_NODE=$nproc_per_node: expected a positive integer."
 
 torchrun_args=(--nnodes "$nnodes" --nproc-per-node "$nproc_per_node")
