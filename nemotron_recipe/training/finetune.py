@@ -1,5 +1,10 @@
 """Supervised fine-tuning loop: one code path for a single process and for any torchrun mesh.
 
+`run` opens the process group and hands the run to a `Trainer`, whose setup builds the mesh, the
+data, the model, the optimizer and the checkpointer, and whose `train` loop reads as its steps:
+`train_step`, `log`, `evaluate`, `checkpoint`, then `summary`. Metrics rows (`TrainMetrics`),
+validation (`Validator`) and checkpoints (`Checkpointer`) are components the trainer calls.
+
 Loss normalisation: every optimizer step covers a fixed global batch. Its number of trained
 tokens is summed over every rank that holds different tokens (data- and context-parallel ranks)
 before any backward pass, and each micro-batch back-propagates (sum of its token losses) / (that
@@ -9,8 +14,11 @@ those of one big batch, whatever the mesh, micro-batch size or padding.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +34,13 @@ from nemotron_recipe.data import (
     load_tokenizer,
     val_batches,
 )
-from nemotron_recipe.distributed.env import distributed
+from nemotron_recipe.distributed.env import DistEnv, distributed
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
 from nemotron_recipe.training.checkpoint import Checkpointer
 from nemotron_recipe.training.compile import compile_blocks
 from nemotron_recipe.training.cpu_memory import keep_freed_memory
 from nemotron_recipe.training.hf_io import build_meta_model, export_run_checkpoint, load_hf_sharded
-from nemotron_recipe.training.logging import MetricsWriter, earlier_val_losses, print_summary
+from nemotron_recipe.training.logging import MetricsWriter, TrainMetrics, earlier_val_losses, print_summary
 from nemotron_recipe.training.loss import IGNORE_INDEX, forward_loss_sum, local_value
 from nemotron_recipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from nemotron_recipe.training.preemption import StopConditions
@@ -88,27 +96,107 @@ def evaluate(
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
-def run(cfg: Any) -> dict[str, Any]:
-    """Fine-tune as `cfg` (a `FinetuneConfig`-shaped DictConfig) says; returns the summary."""
-    start = time.perf_counter()
-    model_config = validate_config(cfg)
-    run_dir = Path(cfg.run_dir)
-    t = cfg.trainer
+class Validator:
+    """Validation passes and their metrics rows, called by the trainer on every rank.
 
-    with distributed(t.device) as env:
-        if not env.is_main:
-            logging.getLogger("nemotron_recipe").setLevel(logging.WARNING)
-        if env.device.type == "cpu":
-            keep_freed_memory()  # large activations are reused instead of page-faulted every step
-        mesh = build_device_mesh(cfg, env.world_size, env.device.type)
-        layout = data_layout(mesh)
-        validate_data_parallel(cfg, layout.dp_size)
+    Keeps the run's (step, val_loss) history, a resumed run's earlier rows included, for the
+    summary. Without validation data a pass does nothing and takes no time.
+    """
+
+    def __init__(
+        self,
+        cfg: Any,
+        model: torch.nn.Module,
+        batches: Any,
+        *,
+        layout: DataLayout,
+        device: torch.device,
+        writer: MetricsWriter,
+        history: list[tuple[int, float]],
+        started: float,
+    ) -> None:
+        self.model, self.batches, self.layout, self.device = model, batches, layout, device
+        self.max_batches, self.loss_chunk_size = cfg.data.val_max_batches, cfg.trainer.loss_chunk_size
+        self.every, self.max_steps = cfg.trainer.val_every, cfg.trainer.max_steps
+        self.writer, self.history, self.started = writer, history, started
+
+    def due(self, step: int) -> bool:
+        """Whether a pass follows `step` inside the loop; the pass after the last step comes at the end."""
+        return bool(self.every) and step % self.every == 0 and step != self.max_steps
+
+    def run(self, step: int) -> float:
+        """Runs and logs a validation pass labelled `step`; returns the seconds it took."""
+        if self.batches is None:
+            return 0.0
+        began = time.perf_counter()
+        val_loss = evaluate(self.model, self.batches, max_batches=self.max_batches, device=self.device,
+                            layout=self.layout, loss_chunk_size=self.loss_chunk_size)
+        self.history.append((step, val_loss))
+        self.writer.log_val({"step": step, "val_loss": val_loss, "elapsed_s": time.perf_counter() - self.started})
+        return time.perf_counter() - began
+
+    def summary(self) -> dict[str, float | None]:
+        """The summary's validation entries: the first and last loss of the run and their ratio."""
+        first = self.history[0][1] if self.history else None
+        last = self.history[-1][1] if self.history else None
+        return {"first_val_loss": first, "last_val_loss": last, "val_loss_ratio": (last / first) if first else None}
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step leaves for its metrics row. Nothing here is reduced over ranks yet:
+    the loss is summed over them only for the steps that get a row."""
+
+    loss_sum: torch.Tensor  # this rank's token-loss sum over its micro-batches, detached
+    trained_tokens: int  # the step's trained tokens over every rank: the loss's denominator
+    lr: float  # the LR the step was taken with
+    grad_norm: torch.Tensor  # the total gradient norm, before clipping
+
+
+class Trainer:
+    """One fine-tuning run on this rank, inside a process group the caller holds (`run`).
+
+    `__init__` is the setup: mesh, checkpointer, data, model, optimizer (restored from the resumed
+    checkpoint), metrics and stop conditions, in the order that makes bad settings fail before
+    expensive work. `train` runs the loop and returns the summary. Every method is called on every
+    rank in the same order: most of them hold collectives.
+    """
+
+    def __init__(self, cfg: Any, model_config: NemotronHConfig, env: DistEnv, *, started: float) -> None:
+        self.cfg, self.env, self.started = cfg, env, started
+        self.run_dir = Path(cfg.run_dir)
+        self._setup_parallel()
         # Before any data or model work: a checkpoint that cannot be resumed fails the run at once.
-        checkpointer = Checkpointer(
-            cfg, run_dir, rank=env.rank, world_size=env.world_size, device=env.device,
-            mesh_shape=dict(zip(mesh.mesh_dim_names or (), mesh.shape)), model_config=model_config,
+        self.checkpointer = Checkpointer(
+            cfg, self.run_dir, rank=env.rank, world_size=env.world_size, device=env.device,
+            mesh_shape=self.mesh_shape, model_config=model_config,
+        )
+        self._setup_data(model_config)
+        self._setup_model(model_config)
+        self._setup_optimizer()
+        if cfg.trainer.compile:
+            self._compile()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self._setup_outputs()
+
+    # ------------------------------------------------------------------ setup
+    def _setup_parallel(self) -> None:
+        """The device mesh, how batches are split over it, and how the model is to be parallelized.
+
+        The one place that reads the mesh: the rest of the run sees `layout` (data), `mesh_shape`
+        (reports and checkpoint meta) and `_parallelize` (the model).
+        """
+        mesh = build_device_mesh(self.cfg, self.env.world_size, self.env.device.type)
+        self.layout = data_layout(mesh)
+        validate_data_parallel(self.cfg, self.layout.dp_size)
+        self.mesh_shape = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
+        self._parallelize: Callable[[torch.nn.Module], torch.nn.Module] = functools.partial(
+            parallelize_model, mesh=mesh, cfg=self.cfg
         )
 
+    def _setup_data(self, model_config: NemotronHConfig) -> None:
+        """Tokenizer, data sets, the batch plan of every step and this rank's validation batches."""
+        cfg, t = self.cfg, self.cfg.trainer
         tokenizer = load_tokenizer(cfg.data.tokenizer)
         if len(tokenizer) > model_config.vocab_size:
             raise ConfigError(
@@ -116,185 +204,221 @@ def run(cfg: Any) -> dict[str, Any]:
                 f"tokens (data.tokenizer={cfg.data.tokenizer!r}). Fix: set model.vocab_size>={len(tokenizer)} "
                 "or use the model's own tokenizer."
             )
-        data = load_sft_data(cfg.data, tokenizer, seq_len=t.seq_len, seed=cfg.seed)
-        train, val = data.train, data.val
-        pad_id = tokenizer.pad_token_id
-        plan = GlobalBatchPlan(
-            len(train), t.global_batch_size, t.micro_batch_size, layout.dp_rank, layout.dp_size, cfg.seed
+        self.data = load_sft_data(cfg.data, tokenizer, seq_len=t.seq_len, seed=cfg.seed)
+        self.pad_id = tokenizer.pad_token_id
+        self.plan = GlobalBatchPlan(
+            len(self.data.train), t.global_batch_size, t.micro_batch_size, self.layout.dp_rank, self.layout.dp_size,
+            cfg.seed,
         )
-        val_data = None
-        if val is not None:
-            val_data = val_batches(val, t.micro_batch_size, layout.dp_rank, layout.dp_size, t.seq_len, pad_id)
-        log.info("data: %s; %d micro-batch(es) per rank per step", data.describe(t.seq_len), plan.grad_accum_steps)
+        self.val_data = None
+        if self.data.val is not None:
+            self.val_data = val_batches(
+                self.data.val, t.micro_batch_size, self.layout.dp_rank, self.layout.dp_size, t.seq_len, self.pad_id
+            )
+        log.info("data: %s; %d micro-batch(es) per rank per step", self.data.describe(t.seq_len),
+                 self.plan.grad_accum_steps)
 
+    def _setup_model(self, model_config: NemotronHConfig) -> None:
+        """The parallelized model in training mode; pretrained weights go straight into its shards."""
+        cfg = self.cfg
         model = build_model(cfg, model_config)
-        num_parameters = model.num_parameters()
+        self.num_parameters = model.num_parameters()
         log.info(
             "model: pattern %s, %.2fM parameters; world size %d, mesh %s",
-            model.config.pattern, num_parameters / 1e6, env.world_size,
-            dict(zip(mesh.mesh_dim_names or (), mesh.shape)),
+            model.config.pattern, self.num_parameters / 1e6, self.env.world_size, self.mesh_shape,
         )
-        model = parallelize_model(model, mesh, cfg)
+        model = self._parallelize(model)
         if cfg.model.pretrained:
-            shard_device = torch.device("cpu") if cfg.fsdp.offload else env.device
-            if checkpointer.resume_from is None:
+            shard_device = torch.device("cpu") if cfg.fsdp.offload else self.env.device
+            if self.checkpointer.resume_from is None:
                 load_hf_sharded(model, cfg.model.pretrained, shard_device)
             else:  # every tensor comes from the training checkpoint
                 model.to_empty(device=shard_device)
         model.train()
-        optimizer = build_optimizer(model, cfg.optim)
-        scheduler = build_scheduler(optimizer, cfg.optim, t.max_steps)
-        start_step = checkpointer.load(model, optimizer, scheduler)
+        self.model = model
 
-        if t.compile:
-            # The probe compiles forward and backward at the training shape (a real micro-batch) on
-            # every rank in step, so a failure shows up here, not mid-training.
-            probe = {k: layout.shard(v).to(env.device)
-                     for k, v in collate(train, plan.indices_for_step(start_step)[0], t.seq_len, pad_id).items()}
+    def _setup_optimizer(self) -> None:
+        """Optimizer and LR schedule; a resumed checkpoint then restores them with the model and sets
+        the step to continue from (`step`: the number of optimizer steps done)."""
+        self.optimizer = build_optimizer(self.model, self.cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.cfg.trainer.max_steps)
+        self.start_step = self.checkpointer.load(self.model, self.optimizer, self.scheduler)
+        self.step = self.start_step
 
-            def run_probe() -> None:
-                forward_loss_sum(model, probe["input_ids"], probe["targets"], document_ids=probe.get("document_ids"),
-                                 loss_chunk_size=t.loss_chunk_size, backward_denominator=1.0)
-                model.zero_grad(set_to_none=True)
+    def _compile(self) -> None:
+        """Compiles the blocks. The probe compiles forward and backward at the training shape (a real
+        micro-batch) on every rank in step, so a failure shows up here, not mid-training."""
+        first = self.plan.indices_for_step(self.start_step)[0]
+        probe = {k: v.to(self.env.device) for k, v in self._collate(first).items()}
 
-            compile_blocks(model, probe=run_probe)
-        params = [p for p in model.parameters() if p.requires_grad]
+        def run_probe() -> None:
+            forward_loss_sum(self.model, probe["input_ids"], probe["targets"], document_ids=probe.get("document_ids"),
+                             loss_chunk_size=self.cfg.trainer.loss_chunk_size, backward_denominator=1.0)
+            self.model.zero_grad(set_to_none=True)
 
-        writer = MetricsWriter(
-            run_dir,
-            enabled=env.is_main,
+        compile_blocks(self.model, probe=run_probe)
+
+    def _setup_outputs(self) -> None:
+        """Metrics writer, training rows, validation and the stop conditions of the loop."""
+        cfg, t, is_main = self.cfg, self.cfg.trainer, self.env.is_main
+        self.writer = MetricsWriter(
+            self.run_dir,
+            enabled=is_main,
             total_steps=t.max_steps,
             progress_bar=cfg.logger.console.progress_bar,
             wandb_cfg=cfg.logger.wandb,
-            config=OmegaConf.to_container(cfg, resolve=True) if env.is_main else None,
-            resume_step=start_step,
+            config=OmegaConf.to_container(cfg, resolve=True) if is_main else None,
+            resume_step=self.start_step,
         )
-        val_history = earlier_val_losses(run_dir, start_step)
-
-        def validate(step: int) -> float:
-            """Runs and logs a validation pass; returns the seconds it took."""
-            if val_data is None:
-                return 0.0
-            began = time.perf_counter()
-            val_loss = evaluate(model, val_data, max_batches=cfg.data.val_max_batches, device=env.device,
-                                layout=layout, loss_chunk_size=t.loss_chunk_size)
-            val_history.append((step, val_loss))
-            writer.log_val({"step": step, "val_loss": val_loss, "elapsed_s": time.perf_counter() - start})
-            return time.perf_counter() - began
-
-        # Input positions (padding included) of the whole global batch: what the model computes on.
-        # Trained tokens (targets != -100) are reported separately.
-        tokens_per_step = t.global_batch_size * t.seq_len
+        self.validator = Validator(
+            cfg, self.model, self.val_data, layout=self.layout, device=self.env.device, writer=self.writer,
+            history=earlier_val_losses(self.run_dir, self.start_step), started=self.started,
+        )
+        self.metrics = TrainMetrics(self.writer, tokens_per_step=t.global_batch_size * t.seq_len,
+                                    log_every=t.log_every, max_steps=t.max_steps, started=self.started)
         # stop_at_step ends the run early but leaves the LR schedule to max_steps.
-        end_step = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
-        stop = StopConditions(max_minutes=t.max_minutes, started=start, device=env.device)
-        stopped: str | None = None
-        done = start_step
+        self.end_step = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
+        self.stop = StopConditions(max_minutes=t.max_minutes, started=self.started, device=self.env.device)
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> dict[str, Any]:
+        """Trains from the resumed step to max_steps, or until a stop condition; returns the summary,
+        also written to summary.json."""
         failed = True
         try:
-            stop.install()
-            if start_step == 0:  # a resumed run's earlier validation rows are already in its metrics
-                validate(0)
-            train_start = window_start = time.perf_counter()
-            window_steps = window_trained = total_trained = 0
-            val_seconds = 0.0  # spent validating inside the loop, kept out of the throughput
-            loss_value = float("nan")
-            for step in range(start_step, end_step):
-                micro_batches = [
-                    {k: layout.shard(v) for k, v in collate(train, idx, t.seq_len, pad_id).items()}
-                    for idx in plan.indices_for_step(step)
-                ]
-                local_count = sum(int((b["targets"] != IGNORE_INDEX).sum()) for b in micro_batches)
-                counts = torch.tensor([local_count], dtype=torch.int64, device=env.device)
-                global_count = int(_all_reduce_sum(counts, layout.token_group).item())
-                denominator = max(global_count, 1)
-
-                loss_total = torch.zeros((), dtype=torch.float32, device=env.device)
-                for batch in micro_batches:
-                    # Packed batches carry document_ids (already sharded like the inputs); others run
-                    # the model's single-document path.
-                    docs = batch.get("document_ids")
-                    loss_sum, _ = forward_loss_sum(
-                        model, batch["input_ids"].to(env.device), batch["targets"].to(env.device),
-                        document_ids=None if docs is None else docs.to(env.device),
-                        loss_chunk_size=t.loss_chunk_size, backward_denominator=denominator,
-                    )
-                    loss_total += local_value(loss_sum.detach()).float()
-                    del loss_sum
-
-                grad_norm = clip_grad_norm_(params, t.max_grad_norm)
-                lr = scheduler.get_last_lr()[0]
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-
-                done = step + 1
-                window_steps += 1
-                window_trained += global_count
-                total_trained += global_count
-                if done == 1 or done % t.log_every == 0 or done == t.max_steps:
-                    loss_value = (_all_reduce_sum(loss_total, layout.token_group) / denominator).item()
-                    now = time.perf_counter()
-                    window_s = max(now - window_start, 1e-9)
-                    writer.log_train({
-                        "step": done,
-                        "loss": loss_value,
-                        "lr": lr,
-                        "grad_norm": grad_norm.item(),
-                        "tokens_per_s": window_steps * tokens_per_step / window_s,
-                        "trained_tokens_per_s": window_trained / window_s,
-                        "elapsed_s": now - start,
-                    })
-                    window_start, window_steps, window_trained = now, 0, 0
-                writer.advance()
-                if t.val_every and done % t.val_every == 0 and done != t.max_steps:
-                    seconds = validate(done)
-                    val_seconds += seconds
-                    window_start += seconds
-                stopped = stop.poll() or ("stop_at_step" if done == end_step < t.max_steps else None)
-                if stopped or checkpointer.due(done, t.max_steps):
-                    checkpointer.save(done, model, optimizer, scheduler)
+            self.stop.install()
+            if self.start_step == 0:  # a resumed run's earlier validation rows are already in its metrics
+                self.validator.run(0)
+            self.metrics.start()
+            stopped: str | None = None
+            for step in range(self.start_step, self.end_step):
+                result = self.train_step(step)
+                self.step = step + 1
+                self.log(result)
+                self.evaluate()
+                stopped = self._poll_stop()
+                self.checkpoint(stopped)
                 if stopped:
-                    log.warning("stopping after step %d (%s%s)", done, stopped,
-                                f": {stop.received}" if stopped == "signal" else "")
+                    log.warning("stopping after step %d (%s%s)", self.step, stopped,
+                                f": {self.stop.received}" if stopped == "signal" else "")
                     break
-            if stopped is None and done < t.max_steps:  # resumed at or past stop_at_step
+            if stopped is None and self.step < self.cfg.trainer.max_steps:  # resumed at or past stop_at_step
                 stopped = "stop_at_step"
-            train_time = max(time.perf_counter() - train_start - val_seconds, 1e-9)
-            hf_dir = None
-            if not stopped:
-                validate(t.max_steps)
-                if cfg.checkpoint.export_hf:
-                    hf_dir = str(export_run_checkpoint(checkpointer, run_dir / "hf"))
-
-            first = val_history[0][1] if val_history else None
-            last = val_history[-1][1] if val_history else None
-            summary = {
-                "steps": done,
-                "stopped": stopped,
-                "stop_signal": stop.received if stopped == "signal" else None,
-                "resumed_from": start_step or None,
-                "checkpoint": None if checkpointer.last_saved is None else str(checkpointer.last_saved),
-                "hf_export": hf_dir,
-                "first_val_loss": first,
-                "last_val_loss": last,
-                "val_loss_ratio": (last / first) if first else None,
-                "final_loss": loss_value,
-                "tokens_per_s": (done - start_step) * tokens_per_step / train_time,
-                "trained_tokens_per_s": total_trained / train_time,
-                "train_time_s": train_time,
-                "wall_time_s": time.perf_counter() - start,
-                "run_dir": str(run_dir),
-                "world_size": env.world_size,
-                "mesh": dict(zip(mesh.mesh_dim_names or (), mesh.shape)),
-                "num_parameters": num_parameters,
-                "data": data.counts(),
-            }
-            writer.write_summary(summary)
+            train_time = self.metrics.train_time()  # the final validation and export are not training
+            hf_dir = None if stopped else self._finish()
+            summary = self.summary(stopped, train_time=train_time, hf_dir=hf_dir)
+            self.writer.write_summary(summary)
             failed = False
         finally:
-            stop.restore()
-            writer.close(failed=failed)
+            self.stop.restore()
+            self.writer.close(failed=failed)
+        return summary
+
+    def train_step(self, step: int) -> StepResult:
+        """One optimizer step on the global batch of `step` (0-based), loss normalised as the module
+        docstring says: every micro-batch's loss sum is divided by the step's global token count."""
+        micro_batches = [self._collate(indices) for indices in self.plan.indices_for_step(step)]
+        trained_tokens = self._global_trained_tokens(micro_batches)
+        denominator = max(trained_tokens, 1)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.env.device)
+        for batch in micro_batches:
+            loss_sum += self._forward_backward(batch, denominator)
+        grad_norm = clip_grad_norm_(self.params, self.cfg.trainer.max_grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss_sum=loss_sum, trained_tokens=trained_tokens, lr=lr, grad_norm=grad_norm)
+
+    def _collate(self, indices: Any) -> dict[str, torch.Tensor]:
+        """The micro-batch of the examples at `indices`, cut to this rank's part of the sequence."""
+        batch = collate(self.data.train, indices, self.cfg.trainer.seq_len, self.pad_id)
+        return {k: self.layout.shard(v) for k, v in batch.items()}
+
+    def _global_trained_tokens(self, micro_batches: list[dict[str, torch.Tensor]]) -> int:
+        """The step's trained tokens summed over every rank that holds different tokens."""
+        local = sum(int((b["targets"] != IGNORE_INDEX).sum()) for b in micro_batches)
+        counts = torch.tensor([local], dtype=torch.int64, device=self.env.device)
+        return int(_all_reduce_sum(counts, self.layout.token_group).item())
+
+    def _forward_backward(self, batch: dict[str, torch.Tensor], denominator: int) -> torch.Tensor:
+        """Back-propagates the micro-batch's loss sum / `denominator`; returns this rank's loss sum."""
+        device = self.env.device
+        # Packed batches carry document_ids (already sharded like the inputs); others run the model's
+        # single-document path.
+        docs = batch.get("document_ids")
+        loss_sum, _ = forward_loss_sum(
+            self.model, batch["input_ids"].to(device), batch["targets"].to(device),
+            document_ids=None if docs is None else docs.to(device),
+            loss_chunk_size=self.cfg.trainer.loss_chunk_size, backward_denominator=denominator,
+        )
+        return local_value(loss_sum.detach()).float()
+
+    def log(self, result: StepResult) -> None:
+        """Counts the step just done and writes its metrics row when one is due (the loss is summed
+        over ranks for those steps only), then moves the progress bar."""
+        self.metrics.record(result.trained_tokens)
+        if self.metrics.due(self.step):
+            loss = _all_reduce_sum(result.loss_sum, self.layout.token_group) / max(result.trained_tokens, 1)
+            self.metrics.log(self.step, loss=loss.item(), lr=result.lr, grad_norm=result.grad_norm.item())
+        self.writer.advance()
+
+    def evaluate(self) -> None:
+        """A validation pass when one is due after this step; its time is kept out of the throughput."""
+        if self.validator.due(self.step):
+            self.metrics.exclude(self.validator.run(self.step))
+
+    def _poll_stop(self) -> str | None:
+        """Why the run ends after this step ('signal', 'max_minutes', 'stop_at_step'), or None; the
+        same on every rank."""
+        stop_at_step = self.step == self.end_step < self.cfg.trainer.max_steps
+        return self.stop.poll() or ("stop_at_step" if stop_at_step else None)
+
+    def checkpoint(self, stopped: str | None) -> None:
+        """Saves when the checkpoint schedule says so, and always before an early stop: the next run
+        resumes from it."""
+        if stopped or self.checkpointer.due(self.step, self.cfg.trainer.max_steps):
+            self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler)
+
+    def _finish(self) -> str | None:
+        """The end of a run that reached max_steps: the final validation pass, then the Hugging Face
+        export if asked for; returns the export's directory."""
+        self.validator.run(self.cfg.trainer.max_steps)
+        if not self.cfg.checkpoint.export_hf:
+            return None
+        return str(export_run_checkpoint(self.checkpointer, self.run_dir / "hf"))
+
+    def summary(self, stopped: str | None, *, train_time: float, hf_dir: str | None) -> dict[str, Any]:
+        """The run's summary (summary.json, the printed summary and `run`'s result)."""
+        last_saved = self.checkpointer.last_saved
+        return {
+            "steps": self.step,
+            "stopped": stopped,
+            "stop_signal": self.stop.received if stopped == "signal" else None,
+            "resumed_from": self.start_step or None,
+            "checkpoint": None if last_saved is None else str(last_saved),
+            "hf_export": hf_dir,
+            **self.validator.summary(),
+            **self.metrics.summary(train_time),
+            "wall_time_s": time.perf_counter() - self.started,
+            "run_dir": str(self.run_dir),
+            "world_size": self.env.world_size,
+            "mesh": self.mesh_shape,
+            "num_parameters": self.num_parameters,
+            "data": self.data.counts(),
+        }
+
+
+def run(cfg: Any) -> dict[str, Any]:
+    """Fine-tune as `cfg` (a `FinetuneConfig`-shaped DictConfig) says; returns the summary."""
+    started = time.perf_counter()
+    model_config = validate_config(cfg)
+    with distributed(cfg.trainer.device) as env:
+        if not env.is_main:
+            logging.getLogger("nemotron_recipe").setLevel(logging.WARNING)
+        if env.device.type == "cpu":
+            keep_freed_memory()  # large activations are reused instead of page-faulted every step
+        summary = Trainer(cfg, model_config, env, started=started).train()
         if env.is_main:
             print_summary(summary)
     return summary

@@ -1,7 +1,7 @@
 """Run outputs: `metrics.jsonl`, the console (progress bar or log lines) and Weights & Biases.
 
 Only the main rank builds an active writer; the others get a no-op one, so call sites need no
-rank checks.
+rank checks. `TrainMetrics` turns training steps into the writer's rows (loss, LR, throughput).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,77 @@ class MetricsWriter:
         if self._wandb_run is not None:
             self._wandb_run.finish(exit_code=1 if failed else 0)
             self._wandb_run = None
+
+
+class TrainMetrics:
+    """The training rows of the metrics and the throughput totals of the summary.
+
+    A row holds the loss, LR and gradient norm of its step and the throughput of the steps since
+    the previous row. Throughput counts input positions (padding included: what the model computes
+    on) and, separately, trained tokens. Seconds spent validating inside the loop are kept out of it
+    (`exclude`). Called on every rank with the same steps; only the main rank's writer writes.
+    """
+
+    def __init__(
+        self, writer: MetricsWriter, *, tokens_per_step: int, log_every: int, max_steps: int, started: float
+    ) -> None:
+        self.writer = writer
+        self.tokens_per_step = tokens_per_step  # input positions of one global batch
+        self.log_every, self.max_steps = log_every, max_steps
+        self.started = started  # the run's start: rows report the seconds since
+        self.last_loss = float("nan")  # the newest row's loss; NaN while this run has written none
+        self.steps = self.total_trained = 0
+        self.window_steps = self.window_trained = 0
+        self.excluded = 0.0
+        self.train_start = self.window_start = time.perf_counter()
+
+    def start(self) -> None:
+        """Starts the training clock: what came before (setup, the first validation) is not training."""
+        self.train_start = self.window_start = time.perf_counter()
+
+    def record(self, trained_tokens: int) -> None:
+        """One more step done, which trained `trained_tokens` tokens over all ranks."""
+        self.steps += 1
+        self.window_steps += 1
+        self.window_trained += trained_tokens
+        self.total_trained += trained_tokens
+
+    def due(self, step: int) -> bool:
+        return step == 1 or step % self.log_every == 0 or step == self.max_steps
+
+    def log(self, step: int, *, loss: float, lr: float, grad_norm: float) -> None:
+        """The row of `step`; its throughput covers the steps since the previous row."""
+        self.last_loss = loss
+        now = time.perf_counter()
+        window_s = max(now - self.window_start, 1e-9)
+        self.writer.log_train({
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": self.window_steps * self.tokens_per_step / window_s,
+            "trained_tokens_per_s": self.window_trained / window_s,
+            "elapsed_s": now - self.started,
+        })
+        self.window_start, self.window_steps, self.window_trained = now, 0, 0
+
+    def exclude(self, seconds: float) -> None:
+        """Keeps `seconds` spent on other work than training out of the throughput."""
+        self.excluded += seconds
+        self.window_start += seconds
+
+    def train_time(self) -> float:
+        """Seconds spent training since `start`."""
+        return max(time.perf_counter() - self.train_start - self.excluded, 1e-9)
+
+    def summary(self, train_time: float) -> dict[str, float]:
+        """The summary's loss and throughput entries, over this run's steps and `train_time`."""
+        return {
+            "final_loss": self.last_loss,
+            "tokens_per_s": self.steps * self.tokens_per_step / train_time,
+            "trained_tokens_per_s": self.total_trained / train_time,
+            "train_time_s": train_time,
+        }
 
 
 def _init_wandb(run_dir: Path, wandb_cfg: Any, config: dict[str, Any] | None) -> Any:
