@@ -32,11 +32,11 @@ SLURM_SBATCH = REPO / "launch" / "slurm.sbatch"
 SCRIPTS = [TORCHRUN_SH, SLURM_SBATCH, REPO / "benchmarks" / "gpu_check.sh"]
 SUBMITIT_YAML = REPO / "conf" / "hydra" / "launcher" / "submitit_slurm.yaml"
 
-# Overrides a shell would mangle if the scripts quoted them carelessly.
+# Overrides a shell would mangle if the scripts quoted them carelessly; Hydra reads each as intended.
 TRICKY_OVERRIDES = [
     "optim.lr=1e-3",
     "data.train_file=/data/my train.jsonl",
-    "logger.wandb.name=$USER's run",
+    "logger.wandb.name=\"$USER's run\"",
     "model.pattern=M*M-",
     'logger.wandb.tags=["a b","c"]',
 ]
@@ -47,15 +47,21 @@ _LAUNCH_VARS = {
 }
 
 
+# torchrun.sh counts the processes of a GPU-less launch with the `python` on PATH, which in an
+# activated environment is the one running these tests.
+_PATH = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+
+
 def _clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("SLURM_")}
     # No GPU is visible unless a test says otherwise, whatever machine runs the tests.
     env["CUDA_VISIBLE_DEVICES"] = ""
+    env["PATH"] = _PATH
     env.update(extra)
     return env
 
 
-def _run(script: Path, *args: str, timeout: float = 30, **env: str) -> subprocess.CompletedProcess[str]:
+def _run(script: Path, *args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", str(script), *args],
         env=_clean_env(**env),
@@ -109,6 +115,56 @@ def test_torchrun_default_run_id_is_the_start_time() -> None:
     proc = _run(TORCHRUN_SH, "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert re.fullmatch(r"NR_RUN_ID=\d\d-\d\d-\d\d", _words(proc.stdout)[0])
+
+
+def _nproc(words: list[str]) -> int:
+    return int(words[words.index("--nproc-per-node") + 1])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "nproc"),
+    [
+        ([], 1),
+        (["mesh=tp2_sp"], 2),
+        (["mesh=hsdp"], 2),  # dp_shard=-1 takes whatever is left: nothing
+        (["mesh.tp=2", "mesh.cp=2"], 4),
+        (["mesh=tp2_sp", "mesh.cp=2"], 4),
+        (["mesh.dp_shard=3", "mesh=tp2"], 6),  # the group first, then the keys, whatever their order
+    ],
+)
+def test_torchrun_without_gpus_starts_what_the_mesh_needs(overrides: list[str], nproc: int) -> None:
+    proc = _run(TORCHRUN_SH, "--dry-run", *overrides, NR_RUN_ID="run3")
+    assert proc.returncode == 0, proc.stderr
+    assert _words(proc.stdout) == [
+        "NR_RUN_ID=run3", "torchrun", "--nnodes", "1", "--nproc-per-node", str(nproc), "--standalone",
+        "-m", "recipes.finetune", *overrides,
+    ]
+
+
+def test_torchrun_mesh_counts_only_where_nothing_else_does() -> None:
+    # A bad override shows that nothing was composed: the recipe will report it once started.
+    words = _words(_run(TORCHRUN_SH, "--dry-run", "mesh=tp3", CUDA_VISIBLE_DEVICES="0,1").stdout)
+    assert _nproc(words) == 2
+    words = _words(_run(TORCHRUN_SH, "--dry-run", "mesh=tp3", NPROC_PER_NODE="3").stdout)
+    assert _nproc(words) == 3
+    env = dict(NNODES="2", MASTER_ADDR="node001", RDZV_ID="job42")
+    assert _nproc(_words(_run(TORCHRUN_SH, "--dry-run", "mesh=tp3", **env).stdout)) == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "messages"),
+    [
+        (["mesh=tp3"], ["Could not find 'mesh/tp3'", "tp2_sp"]),  # Hydra lists the options
+        (["mesh=tp2", "mesh.tp=two"], ["mesh.tp=two", "could not be converted to Integer"]),
+        (["mesh.cp=0"], ["mesh.cp=0: must be >= 1"]),
+        (["optim.lr=1e-3,1e-4"], ["Ambiguous value for argument"]),
+    ],
+)
+def test_torchrun_stops_on_overrides_that_do_not_compose(overrides: list[str], messages: list[str]) -> None:
+    proc = _run(TORCHRUN_SH, "--dry-run", *overrides)
+    assert proc.returncode == 2 and proc.stdout == ""
+    for message in [*messages, "launch/torchrun.sh: cannot count the processes", "NPROC_PER_NODE"]:
+        assert message in proc.stderr
 
 
 def test_torchrun_one_process_per_visible_gpu() -> None:
@@ -234,7 +290,7 @@ def test_torchrun_runs_the_command_it_prints(tmp_path: Path) -> None:
     log = tmp_path / "log"
     log.mkdir()
     env = dict(
-        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", FAKE_LOG=str(log), FAKE_MODE="finish",
+        PATH=f"{bin_dir}{os.pathsep}{_PATH}", FAKE_LOG=str(log), FAKE_MODE="finish",
         FAKE_TRAINER=str(tmp_path / "trainer.py"), FAKE_EXIT_ON_SIGNAL="0", NR_RUN_ID="run9",
     )
     printed = _words(_run(TORCHRUN_SH, "--dry-run", *TRICKY_OVERRIDES, **env).stdout)
@@ -242,6 +298,19 @@ def test_torchrun_runs_the_command_it_prints(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     ran = json.loads((log / "torchrun.json").read_text())
     assert ["NR_RUN_ID=" + ran["NR_RUN_ID"], "torchrun", *ran["argv"]] == printed
+
+
+def test_torchrun_starts_nothing_when_the_overrides_do_not_compose(tmp_path: Path) -> None:
+    bin_dir = _fake_bin(tmp_path)
+    log = tmp_path / "log"
+    log.mkdir()
+    proc = _run(
+        TORCHRUN_SH, "mesh=tp2_sp", "mesh.tp=two",
+        PATH=f"{bin_dir}{os.pathsep}{_PATH}", FAKE_LOG=str(log), FAKE_MODE="finish",
+        FAKE_TRAINER=str(tmp_path / "trainer.py"), FAKE_EXIT_ON_SIGNAL="0",
+    )
+    assert proc.returncode == 2 and "mesh.tp=two" in proc.stderr
+    assert not (log / "torchrun.json").exists()
 
 
 # ------------------------------------------------------------------------------------ slurm.sbatch
@@ -288,7 +357,7 @@ def test_slurm_dry_run_inside_an_allocation(tmp_path: Path) -> None:
     log.mkdir()
     proc = _run(
         SLURM_SBATCH, "--dry-run", "mesh.tp=8",
-        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", FAKE_LOG=str(log),
+        PATH=f"{bin_dir}{os.pathsep}{_PATH}", FAKE_LOG=str(log),
         SLURM_JOB_ID="4242", SLURM_NNODES="3", SLURM_JOB_NODELIST="gpu[01-03]", SLURM_CPUS_ON_NODE="96",
         CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7",
     )
@@ -332,7 +401,7 @@ def _start_slurm_job(tmp_path: Path, mode: str, exit_on_signal: int) -> _Job:
     log = tmp_path / "log"
     log.mkdir()
     env = _clean_env(
-        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", FAKE_LOG=str(log), FAKE_MODE=mode,
+        PATH=f"{bin_dir}{os.pathsep}{_PATH}", FAKE_LOG=str(log), FAKE_MODE=mode,
         FAKE_TRAINER=str(tmp_path / "trainer.py"), FAKE_EXIT_ON_SIGNAL=str(exit_on_signal),
         SLURM_JOB_ID="4242", SLURM_NNODES="2", SLURM_JOB_NODELIST="gpu[01-02]", SLURM_SUBMIT_DIR=str(REPO),
         CUDA_VISIBLE_DEVICES="0,1",
