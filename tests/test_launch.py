@@ -61,6 +61,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# Generous: a GPU-less launch composes the config first, which imports torch.
 def _run(script: Path, *args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", str(script), *args],
