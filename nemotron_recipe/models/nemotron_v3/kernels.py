@@ -97,9 +97,10 @@ def causal_conv1d_silu(
 
 # ---------------------------------------------------------------------------------------- scan
 def _head_major(t: torch.Tensor, c: int, q: int, dtype: torch.dtype) -> torch.Tensor:
-    """[b, c*q, h, *] -> [b, h, c, q, *], contiguous, in `dtype`."""
+    """[b, c*q, h, *] -> [b, h, c, q, *], contiguous, in `dtype`; always a new tensor (one copy), so
+    what the scan keeps for backward never aliases its inputs."""
     b, _, h = t.shape[:3]
-    return t.transpose(1, 2).to(dtype).contiguous().view(b, h, c, q, *t.shape[3:])
+    return t.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format, copy=True).view(b, h, c, q, *t.shape[3:])
 
 
 def _natural(t: torch.Tensor, length: int) -> torch.Tensor:
@@ -149,7 +150,7 @@ def _scan_block_forward(x, dt, A, B, C, D, q, doc, doc_before, state_in, md):
     r, c = h // g, t // q
     ct = state_in.dtype
     xh = _head_major(x, c, q, ct)  # [b,h,c,q,p]
-    dth = dt.to(ct).transpose(1, 2).reshape(b, h, c, q)
+    dth = _head_major(dt, c, q, ct)  # [b,h,c,q]
     Bg, Cg = _head_major(B, c, q, md), _head_major(C, c, q, md)  # [b,g,c,q,n], only ever matmul operands
     X = xh * dth[..., None]
     s = (dth * A.to(ct)[:, None, None]).cumsum(-1)  # log-decay from the chunk's start, [b,h,c,q]
@@ -250,11 +251,78 @@ def _scan_block_backward(gy, A, D, saved, grad_state_out):
             carried.reshape(b, h, p, n))
 
 
+def _scan_blocks(batch: int, total: int, q: int, device: torch.device) -> list[tuple[int, int]]:
+    """(start, end) of each block of whole chunks the scan covers at once (`SCAN_BLOCK_TOKENS`)."""
+    block = max(q, SCAN_BLOCK_TOKENS // max(batch, 1) // q * q) if device.type == "cpu" else total
+    return [(start, min(start + block, total)) for start in range(0, total, block)]
+
+
+def _pad_to_chunks(x, dt, B, C, document_ids, q):
+    """Pads the sequence to whole chunks; zero dt on padded steps keeps the state unchanged."""
+    b, l = x.shape[:2]
+    pad = (-l) % q
+    if not pad:
+        return x, dt, B, C, document_ids
+    x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
+    dt = F.pad(dt, (0, 0, 0, pad))
+    if document_ids is not None:
+        document_ids = torch.cat([document_ids, document_ids[:, -1:].expand(b, pad)], dim=1)
+    return x, dt, B, C, document_ids
+
+
+def _scan_forward(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    chunk_size: int,
+    document_ids: torch.Tensor | None,
+) -> list[torch.Tensor]:
+    """The forward of `SSDChunkScan`: [y, then per block the tensors its backward reads]."""
+    b, l, h, p = x.shape
+    n = B.shape[3]
+    q = chunk_size
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    md = torch.bfloat16 if x.dtype == torch.bfloat16 else ct
+    x, dt, B, C, document_ids = _pad_to_chunks(x, dt, B, C, document_ids, q)
+    y = torch.empty(b, l, h, p, dtype=ct, device=x.device)
+    state = torch.zeros(b, h, p, n, dtype=ct, device=x.device)
+    saved = []
+    for start, end in _scan_blocks(b, x.shape[1], q, x.device):
+        doc = doc_before = None
+        if document_ids is not None:
+            doc = document_ids[:, start:end]
+            doc_before = document_ids[:, max(start - 1, 0):max(start, 1)]
+        y_blk, state, tensors = _scan_block_forward(
+            x[:, start:end], dt[:, start:end], A, B[:, start:end], C[:, start:end], D, q, doc, doc_before, state, md)
+        kept = min(end, l) - start  # padded steps are cut off
+        y[:, start:start + kept] = y_blk[:, :kept]
+        saved.extend(tensors)
+    return [y, *saved]
+
+
+# One dispatcher op, so that selective activation checkpointing can name the scan and keep its
+# outputs (the products the hand-written backward reads). A dispatch-level policy sees the aten ops
+# inside an autograd.Function's forward, and would otherwise cache the scan's inner matmuls, which
+# the scan then updates in place. Under torch.compile the op is opaque and traced on fake tensors,
+# where the same code computes the shapes.
+ssd_scan_forward = torch.library.custom_op("nemotron_recipe::ssd_scan_forward", _scan_forward, mutates_args=())
+ssd_scan_forward.register_fake(_scan_forward)
+
+# The model's own ops whose outputs `ac=selective` keeps besides matmuls and attention. The scan is
+# the costliest op to recompute. (On CUDA, mamba_ssm's Triton scan is no dispatcher op: selective
+# checkpointing recomputes it.)
+SELECTIVE_AC_SAVED_OPS = frozenset({torch.ops.nemotron_recipe.ssd_scan_forward.default})
+
+
 class SSDChunkScan(torch.autograd.Function):
     """`ssd_chunked` as one autograd node (see ssd.py for the algorithm and the shapes).
 
     Computes in fp32 (fp64 for fp64 inputs), block by block of whole chunks (`SCAN_BLOCK_TOKENS`);
-    with bf16 inputs the batched products take bf16 operands (`_mm`).
+    with bf16 inputs the batched products take bf16 operands (`_mm`). The forward is the custom op
+    `ssd_scan_forward`.
     Saved for backward: fp32 copies of x and dt, B and C (in the matmul dtype), the masked decay
     matrices L [b,h,c,q,q] and C.B [b,g,c,q,q], and the states entering each chunk (in the matmul
     dtype); everything else is recomputed.
@@ -262,39 +330,14 @@ class SSDChunkScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, chunk_size, document_ids):
+        y, *saved = torch.ops.nemotron_recipe.ssd_scan_forward(x, dt, A, B, C, D, chunk_size, document_ids)
         b, l, h, p = x.shape
-        n = B.shape[3]
-        q = chunk_size
-        pad = (-l) % q
-        ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-        md = torch.bfloat16 if x.dtype == torch.bfloat16 else ct
-        if pad:
-            # Zero dt on padded steps keeps the state unchanged; their outputs are cut off.
-            x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
-            dt = F.pad(dt, (0, 0, 0, pad))
-            if document_ids is not None:
-                document_ids = torch.cat([document_ids, document_ids[:, -1:].expand(b, pad)], dim=1)
-        total = l + pad
-        block = max(q, SCAN_BLOCK_TOKENS // max(b, 1) // q * q) if x.device.type == "cpu" else total
-        y = torch.empty(b, total, h, p, dtype=ct, device=x.device)
-        state = torch.zeros(b, h, p, n, dtype=ct, device=x.device)
-        saved, bounds = [], []
-        for start in range(0, total, block):
-            end = min(start + block, total)
-            doc = doc_before = None
-            if document_ids is not None:
-                doc = document_ids[:, start:end]
-                doc_before = document_ids[:, max(start - 1, 0):max(start, 1)]
-            y_blk, state, tensors = _scan_block_forward(
-                x[:, start:end], dt[:, start:end], A, B[:, start:end], C[:, start:end], D, q, doc, doc_before, state, md)
-            y[:, start:end] = y_blk
-            saved.append(tensors)
-            bounds.append((start, end))
-        ctx.bounds = bounds
-        ctx.save_for_backward(A, D, *(t for tensors in saved for t in tensors))
-        ctx.shape = (b, l, total, h, p, B.shape[2], n)
+        total = l + (-l) % chunk_size
+        ctx.bounds = _scan_blocks(b, total, chunk_size, x.device)
+        ctx.save_for_backward(A, D, *saved)
+        ctx.shape = (b, l, total, h, p, B.shape[2], B.shape[3])
         ctx.dtypes = (x.dtype, dt.dtype, B.dtype, C.dtype)
-        return y[:, :l]
+        return y
 
     @staticmethod
     def backward(ctx, grad_y):
