@@ -122,7 +122,7 @@ class MeshConfig:
 @dataclass
 class ACConfig:
     """Activation checkpointing, applied by the model's parallelizer: none; blocks (its choice of blocks,
-    for Nemotron-H the Mamba and MLP ones); full (every block); selective (every `every`-th block)."""
+    for Nemotron-H Mamba and MLP); full (all blocks); selective (all, op by op); every_nth (every `every`-th)."""
 
     mode: str = "none"
     every: int = 2
