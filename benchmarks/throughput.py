@@ -5,6 +5,7 @@
     python -m benchmarks.throughput --preset tiny --hidden 256 --pattern 'M*M-' --set chunk_size=128
     python -m benchmarks.throughput --sweep-seq --preset h1024 --pattern MMMM --batch 1
     torchrun --standalone --nproc-per-node 2 -m benchmarks.throughput --mesh dp_shard=2
+    python -m benchmarks.throughput --ac --preset tiny
 
 Both models are built from one config (`transformers.NemotronHConfig(**cfg.to_hf_dict())`) and hold
 the same weights: ours is loaded from transformers' state dict. A step is forward, backward and an
@@ -19,6 +20,11 @@ Memory, per rank: on CUDA the allocator's peak during one step. On CPU, the peak
 during one step above the resident set before it (Linux `/proc/self/status` VmHWM, reset through
 `/proc/self/clear_refs`), and the bytes autograd saves for backward (activations).
 
+`--ac` times ours alone under every activation-checkpointing mode instead (same weights and batch,
+the recipe's parallelizer on a one-process group, or on `--mesh` under torchrun), steps interleaved
+across modes, and reports each mode's step time and the memory its forward keeps for backward
+against `none` measured in the same run.
+
 Each run appends a row to benchmarks/RESULTS.md with the exact command (`--no-record` to skip).
 """
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import datetime
 import functools
@@ -42,6 +49,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemotron_recipe.models.nemotron_v3 import PRESETS, NemotronHConfig, NemotronHForCausalLM
 from nemotron_recipe.models.nemotron_v3.checkpoint import hf_to_native
@@ -125,16 +134,40 @@ def build_models(cfg: NemotronHConfig, device: torch.device, dtype: torch.dtype,
     return ours, theirs.to(device=device, dtype=dtype).train()
 
 
-def parallelize(model: torch.nn.Module, mesh, args: argparse.Namespace) -> torch.nn.Module:
-    """The recipe's parallelizer (FSDP2, TP/SP, CP, AC) as `--mesh` and `--ac` say; transformers'
-    model gets the reference plan the parallelizer gives it."""
+def mesh_sizes(spec: str) -> dict[str, Any]:
+    """`--mesh` (e.g. "tp=2,sequence_parallel=true") as the recipe's `mesh` group, dp_shard inferred."""
+    sizes: dict[str, Any] = {"dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 1, "sequence_parallel": False}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        sizes[key] = value.lower() == "true" if key == "sequence_parallel" else int(value)
+    return sizes
+
+
+def parallel_setup(args: argparse.Namespace, world_size: int, device_type: str):
+    """The recipe's (ParallelPlan, ParallelMeshes) for `--mesh` on `world_size` ranks."""
     from types import SimpleNamespace
 
-    from nemotron_recipe.models.nemotron_v3.parallelization import PARALLELIZER
+    from nemotron_recipe.distributed.plan import ParallelPlan
 
-    fsdp = SimpleNamespace(param_dtype=args.dtype, reduce_dtype="fp32", offload=False, reshard_after_forward=None)
-    return PARALLELIZER.parallelize(model, mesh, fsdp_cfg=fsdp, sequence_parallel=args.sequence_parallel,
-                                    ac_mode=args.ac)
+    cfg = SimpleNamespace(
+        mesh=SimpleNamespace(**mesh_sizes(args.mesh)),
+        ac=SimpleNamespace(mode="none", every=args.ac_every),
+        fsdp=SimpleNamespace(param_dtype=args.dtype, reduce_dtype="fp32", offload=False, reshard_after_forward=None),
+        trainer=SimpleNamespace(seq_len=args.seq_len),
+    )
+    plan = ParallelPlan.from_config(cfg, world_size)
+    return plan, plan.build_meshes(device_type)
+
+
+def parallelize(model: torch.nn.Module, parallel, args: argparse.Namespace) -> torch.nn.Module:
+    """The recipe's parallelization (FSDP2, TP/SP, CP, AC) as `--mesh` and `--ac` say; transformers'
+    model gets the reference plan the parallelizer gives it."""
+    from nemotron_recipe.distributed.plan import ActivationCheckpointing
+    from nemotron_recipe.training.setup import parallelize_model
+
+    plan, meshes = parallel
+    plan = dataclasses.replace(plan, ac=ActivationCheckpointing(args.ac, args.ac_every))
+    return parallelize_model(model, plan, meshes)
 
 
 # ---------------------------------------------------------------------------------------- steps
@@ -278,8 +311,57 @@ def step_memory(step: Callable[[], None], model: torch.nn.Module, device: torch.
     return out
 
 
+class _StoragesMade(TorchDispatchMode):
+    """Weak references to the storage of every plain tensor an op returns while the mode is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: dict[int, StorageWeakRef] = {}
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # a compiled region is one op here, its outputs (saved activations too) tracked
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if type(t) is torch.Tensor:
+                ref = StorageWeakRef(t.untyped_storage())
+                known = self.refs.get(ref.cdata)
+                if known is None or known.expired():  # a freed storage's address may be reused
+                    self.refs[ref.cdata] = ref
+        return out
+
+    def live_bytes(self, excluded: set[int]) -> int:
+        total = 0
+        for key, ref in self.refs.items():
+            if key not in excluded and not ref.expired():
+                total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
+        return total
+
+
+def kept_for_backward(forward: Callable[[], Any], model: torch.nn.Module) -> tuple[int, Any]:
+    """(bytes of the storages `forward` creates that are still alive when it returns, parameters
+    excluded; what `forward` returned). Called before backward, that is the memory autograd keeps for
+    backward, whatever keeps it: saved tensors, the inputs of checkpointed blocks, selective
+    checkpointing's cache of kept outputs (plus the forward's own result). `saved_tensor_bytes` sees
+    none of what a checkpointed block keeps: checkpointing installs saved-tensor hooks of its own,
+    and only the innermost hooks run. Tensors made inside a tensor subclass's dispatch (DTensor's
+    local shards under tensor parallel) are not seen."""
+    tracker = _StoragesMade()
+    with tracker:
+        result = forward()
+    params = {StorageWeakRef(p.untyped_storage()).cdata
+              for p in (q.to_local() if hasattr(q, "to_local") else q for q in model.parameters())}
+    return tracker.live_bytes(params), result
+
+
 def _gib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
 
 
 # ---------------------------------------------------------------------------------------- runs
@@ -309,7 +391,7 @@ def cpu_bf16_support() -> str:
     return "none"
 
 
-def compare(args, cfg, device, mesh) -> dict[str, Any]:
+def compare(args, cfg, device, parallel) -> dict[str, Any]:
     dtype = DTYPES[args.dtype]
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     ours, theirs = build_models(cfg, device, dtype, args.seed, args.impl or "both")
@@ -317,10 +399,10 @@ def compare(args, cfg, device, mesh) -> dict[str, Any]:
         from nemotron_recipe.training.compile import compile_blocks
 
         compile_blocks(ours)
-    if mesh is not None:
-        ours = parallelize(ours, mesh, args) if ours is not None else None
+    if parallel is not None:
+        ours = parallelize(ours, parallel, args) if ours is not None else None
         try:
-            theirs = parallelize(theirs, mesh, args) if theirs is not None else None
+            theirs = parallelize(theirs, parallel, args) if theirs is not None else None
         except Exception as e:  # noqa: BLE001 - the reference plan may not support this mesh
             if rank0:
                 print(f"transformers' model cannot run on this mesh ({e}); timing ours alone")
@@ -331,15 +413,15 @@ def compare(args, cfg, device, mesh) -> dict[str, Any]:
     def layout_shard(t: torch.Tensor) -> torch.Tensor:
         return t
 
-    if mesh is not None:
+    if parallel is not None:
         from nemotron_recipe.training.setup import data_layout
 
-        layout = data_layout(mesh)
+        layout = data_layout(*parallel)
         dp = layout.dp_size
-        tp = mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1
+        tp = parallel[0].tp
         layout_shard = layout.shard
     args.tp = tp
-    gen = torch.Generator().manual_seed(args.seed + (0 if mesh is None else layout.dp_rank))
+    gen = torch.Generator().manual_seed(args.seed + (0 if parallel is None else layout.dp_rank))
     full_ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len), generator=gen)
     full_targets = torch.cat([full_ids[:, 1:], torch.full((args.batch, 1), IGNORE_INDEX)], dim=1)
     ids = layout_shard(full_ids).to(device)
@@ -421,6 +503,73 @@ def sweep(args, cfg, device) -> dict[str, Any]:
     return out
 
 
+def _batch(cfg: NemotronHConfig, args, device: torch.device, parallel) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (ids, targets) of one random batch (its data-parallel rank's, its sequence part
+    under context parallel)."""
+    from nemotron_recipe.training.setup import data_layout
+
+    layout = data_layout(*parallel)
+    gen = torch.Generator().manual_seed(args.seed + layout.dp_rank)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len), generator=gen)
+    targets = torch.cat([ids[:, 1:], torch.full((args.batch, 1), IGNORE_INDEX)], dim=1)
+    return layout.shard(ids).to(device), layout.shard(targets).to(device)
+
+
+def _kept_by_step(model, ids, targets, args) -> int:
+    """What the forward of one of ours' steps keeps for backward (`kept_for_backward`; its logits, or
+    its chunked loss, included); then the step's backward, so that nothing is left behind."""
+    chunked = {"targets": targets, "loss_chunk_size": args.loss_chunk_size} if args.loss_chunk_size else {}
+    kept, out = kept_for_backward(lambda: model(ids, **chunked), model)
+    if getattr(out, "loss_sum", None) is not None:
+        out.loss_sum.backward()
+    else:
+        with loss_parallel_for(out.logits):  # vocab-sharded logits: loss and backward inside it
+            cross_entropy_sum(out.logits, targets)[0].backward()
+    model.zero_grad(set_to_none=True)
+    return kept
+
+
+def compare_ac(args, cfg, device, parallel) -> dict[str, Any]:
+    """Ours under every activation-checkpointing mode, from the same weights on the same batch: median
+    step time (steps interleaved across modes) and the memory each forward keeps for backward."""
+    from nemotron_recipe.distributed.activation_checkpoint import AC_MODES
+
+    from nemotron_recipe.training.compile import compile_blocks
+
+    base, _ = build_models(cfg, device, DTYPES[args.dtype], args.seed, "ours")
+    if parallel is None:  # one process: a group of one, so FSDP units and all run as in the recipe
+        from nemotron_recipe.distributed.env import init_distributed
+
+        init_distributed(device.type)
+        parallel = parallel_setup(args, 1, device.type)
+    args.tp = parallel[0].tp
+    ids, targets = _batch(cfg, args, device, parallel)
+    models, steps = {}, {}
+    for mode in AC_MODES:
+        args.ac = mode
+        models[mode] = model = parallelize(copy.deepcopy(base), parallel, args)
+        if args.compile:  # as the recipe does: the blocks inside their wrappers
+            compile_blocks(model)
+        steps[mode] = functools.partial(ours_step, model, make_optimizer(model, args.adamw), ids, targets, args)
+    for _ in range(args.warmup):
+        for step in steps.values():
+            step()
+    times = {mode: [] for mode in steps}
+    cpu_times = {mode: [] for mode in steps}
+    for _ in range(args.steps):
+        for mode, step in steps.items():
+            wall, cpu = timed(step, device)
+            times[mode].append(wall)
+            cpu_times[mode].append(cpu)
+    result = {}
+    for mode, model in models.items():
+        kept = _kept_by_step(model, ids, targets, args)
+        result[mode] = {"median_s": statistics.median(times[mode]), "times": times[mode],
+                        "cpu_s": statistics.median(cpu_times[mode]), "kept": kept,
+                        "peak": step_memory(steps[mode], model, device)["peak"]}
+    return result
+
+
 # ---------------------------------------------------------------------------------------- report
 COMPARE_HEADER = (
     "| date (commit) | device | config | dtype | mesh | batch x seq | ours tok/s | theirs tok/s | ours/theirs | "
@@ -428,6 +577,8 @@ COMPARE_HEADER = (
 )
 SWEEP_HEADER = ("| date (commit) | device | config | dtype | batch | seq lengths | ours s/step | time ratio (tokens ratio) | "
                 "fast paths | command |")
+AC_HEADER = ("| date (commit) | device | config | dtype | mesh | batch x seq | ac | ours s/step | time vs none | "
+             "kept for backward | vs none | peak mem | fast paths | command |")
 
 
 def _append_row(header: str, row: str, path: Path | None = None) -> None:
@@ -537,6 +688,30 @@ def report_sweep(args, cfg, device, out) -> None:
         _append_row(SWEEP_HEADER, row)
 
 
+def report_ac(args, cfg, device, result, mesh_desc) -> None:
+    ref = result["none"]
+    print(f"device: {device_name(device)}; config: {describe(cfg, args.preset)}; batch {args.batch} x seq "
+          f"{args.seq_len}, {args.dtype}, mesh {mesh_desc}; every_nth: ac.every={args.ac_every}")
+    print(f"{'ac':>10}  {'s/step':>7}  {'vs none':>22}  {'kept for backward':>17}  {'vs none':>7}  peak mem")
+    rows = []
+    for mode, r in result.items():
+        time_ratio = f"{r['median_s'] / ref['median_s']:.2f}x (cpu {r['cpu_s'] / ref['cpu_s']:.2f}x)"
+        kept_ratio = f"{r['kept'] / ref['kept']:.2f}x"
+        print(f"{mode:>10}  {r['median_s']:7.3f}  {time_ratio:>22}  {_mib(r['kept']):>17}  {kept_ratio:>7}  "
+              f"{_gib(r['peak'])}")
+        rows.append(f"| {_measured()} | {device_name(device)} | {describe(cfg, args.preset)} | {args.dtype} | "
+                    f"{mesh_desc} | {args.batch} x {args.seq_len} | {_ac_name(mode, args)} | {r['median_s']:.3f} | "
+                    f"{time_ratio} | {_mib(r['kept'])} | {kept_ratio} | {_gib(r['peak'])} | {fast_paths(args)} | "
+                    f"`{_command(args.argv)}` |")
+    if args.record:
+        for row in rows:
+            _append_row(AC_HEADER, row)
+
+
+def _ac_name(mode: str, args) -> str:
+    return f"every_nth (every={args.ac_every})" if mode == "every_nth" else mode
+
+
 # ---------------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -561,7 +736,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="ours: torch.compile each block")
     p.add_argument("--loss-chunk-size", type=int, default=0, help="ours: chunked lm_head + cross-entropy")
     p.add_argument("--mesh", default="", help="under torchrun: e.g. dp_shard=2 or tp=2,sequence_parallel=true")
-    p.add_argument("--ac", default="none", help="activation checkpointing mode under --mesh")
+    p.add_argument("--ac", nargs="?", const="all", default="none",
+                   help="activation checkpointing mode under --mesh; alone (or 'all'): time ours under every mode")
+    p.add_argument("--ac-every", type=int, default=2, help="N of ac=every_nth")
     p.add_argument("--sweep-seq", action="store_true", help="time ours at each of --sweep-lens and print the ratio")
     p.add_argument("--sweep-lens", default="2048,8192")
     p.add_argument("--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
@@ -589,22 +766,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.sweep_seq and set(cfg.pattern) != {"M"}:
         raise SystemExit(f"--sweep-seq measures Mamba-only models; pattern {cfg.pattern!r} has other blocks")
 
-    mesh = None
+    parallel = None
     mesh_desc = "1 process"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from types import SimpleNamespace
-
         from nemotron_recipe.distributed.env import init_distributed
-        from nemotron_recipe.distributed.mesh import build_mesh
 
         env = init_distributed(args.device)
         device = env.device
-        sizes: dict[str, Any] = {"dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 1, "sequence_parallel": False}
-        for item in filter(None, args.mesh.split(",")):
-            key, _, value = item.partition("=")
-            sizes[key] = value.lower() == "true" if key == "sequence_parallel" else int(value)
-        args.sequence_parallel = sizes["sequence_parallel"]
-        mesh = build_mesh(SimpleNamespace(**sizes), env.world_size, device.type)
+        parallel = parallel_setup(args, env.world_size, device.type)
+        sizes = mesh_sizes(args.mesh)
         mesh_desc = f"{env.world_size} ranks " + ",".join(f"{k}={v}" for k, v in sizes.items() if k != "dp_shard" or v != -1)
         rank0 = env.is_main
     else:
@@ -614,12 +784,16 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         if args.sweep_seq:
-            if mesh is not None:
+            if parallel is not None:
                 raise SystemExit("--sweep-seq runs in one process")
             out = sweep(args, cfg, device)
             report_sweep(args, cfg, device, out)
+        elif args.ac == "all":
+            result = compare_ac(args, cfg, device, parallel)
+            if rank0:
+                report_ac(args, cfg, device, result, mesh_desc)
         else:
-            result = compare(args, cfg, device, mesh)
+            result = compare(args, cfg, device, parallel)
             if rank0:
                 args.record = args.record and rank0
                 report_compare(args, cfg, device, result, mesh_desc)

@@ -389,6 +389,26 @@ def test_throughput_harness_runs_and_records(tmp_path, capsys, monkeypatch):
     assert row.startswith("| ") and "--seq-len 32" in row and "tiny (" in row
 
 
+def test_ac_harness_times_every_mode_against_none(tmp_path, capsys, monkeypatch):
+    from benchmarks import throughput
+    from nemotron_recipe.distributed.activation_checkpoint import AC_MODES
+
+    results = tmp_path / "RESULTS.md"
+    monkeypatch.setattr(throughput, "RESULTS", results)
+    throughput.main([
+        "--ac", "--preset", "tiny", "--hidden", "32", "--set", "num_attention_heads=2", "--set",
+        "num_key_value_heads=1", "--set", "chunk_size=16", "--batch", "2", "--seq-len", "32", "--warmup", "0",
+        "--steps", "1",
+    ])
+    out = capsys.readouterr().out
+    assert all(f" {mode} " in out for mode in AC_MODES) and "kept for backward" in out
+    lines = results.read_text().splitlines()
+    rows = lines[lines.index(throughput.AC_HEADER) + 2:]
+    assert [row.split(" | ")[6] for row in rows] == ["none", "blocks", "full", "selective", "every_nth (every=2)"]
+    assert all("`python -m benchmarks.throughput --ac " in row for row in rows)
+    assert rows[0].split(" | ")[8].startswith("1.00x") and rows[0].split(" | ")[10] == "1.00x"
+
+
 def test_results_rows_go_under_their_own_table(tmp_path):
     from benchmarks.throughput import COMPARE_HEADER, SWEEP_HEADER, _append_row
 
