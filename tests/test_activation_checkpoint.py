@@ -109,12 +109,6 @@ def test_modes_wrap_their_blocks(base_model):
     assert wrapped("every_nth", 2) == [0, 2] and wrapped("every_nth", 3) == [0, 3]
 
 
-def test_every_nth_needs_a_positive_stride():
-    with pytest.raises(ValueError, match="ac.every=0"):
-        ac.check_every("every_nth", 0)
-    ac.check_every("selective", 0)  # only every_nth reads it
-
-
 # ------------------------------------------------------------------------------------------ memory
 def test_selective_keeps_less_than_none_and_more_than_full(base_model):
     ids, _ = _batch(128)

@@ -58,14 +58,9 @@ _PROFILER_RANGES = frozenset(
 )
 
 
-def check_every(mode: str, every: int) -> None:
-    """`every_nth` needs a positive stride (the other modes ignore `every`)."""
-    if mode == "every_nth" and every < 1:
-        raise ValueError(f"ac.every={every}: must be >= 1 for ac.mode=every_nth.")
-
-
 def is_checkpointed(mode: str, index: int, every: int, model_choice: bool) -> bool:
-    """Whether the block at `index` is wrapped; `model_choice` is the model's pick for `blocks`."""
+    """Whether the block at `index` is wrapped; `model_choice` is the model's pick for `blocks`,
+    `every` (>= 1) the N of `every_nth`."""
     if mode == "blocks":
         return model_choice
     if mode == "every_nth":
