@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
-from nemotron_recipe.distributed.parallelizer import AC_MODES, DTYPES
+from nemotron_recipe.distributed.env import launched_world_size
+from nemotron_recipe.distributed.plan import ParallelConfigError, ParallelPlan
 from nemotron_recipe.models.nemotron_v3.config import ModelConfigError, NemotronHConfig
 
 WANDB_MODES = ("disabled", "offline", "online")
@@ -284,17 +284,6 @@ def build_model_config(model_cfg: Any) -> NemotronHConfig:
     return NemotronHConfig.from_preset(model_cfg.preset, **overrides)
 
 
-def torch_dtype(field_name: str, name: str) -> torch.dtype:
-    if name == "fp16":
-        raise ConfigError(
-            f"{field_name}='fp16': not supported; fp16 is very slow on CPU and numerically fragile "
-            "(it needs loss scaling). Fix: use bf16 (or fp32)."
-        )
-    if name not in DTYPES:
-        raise ConfigError(f"{field_name}={name!r}: unknown dtype. Fix: use one of {list(DTYPES)}.")
-    return DTYPES[name]
-
-
 def _check_choice(errors: list[str], name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         errors.append(f"{name}={value!r}: unknown value. Fix: use one of {list(choices)}.")
@@ -313,11 +302,12 @@ def _check_path(errors: list[str], name: str, value: Optional[str], *, allow_dir
     )
 
 
-def validate_config(cfg: Any) -> NemotronHConfig:
+def validate_config(cfg: Any) -> tuple[NemotronHConfig, ParallelPlan]:
     """Check everything that can be checked before any process group, data or model exists.
 
     Raises `ConfigError` listing every problem at once (or `ModelConfigError` for the model), so
-    every rank fails identically and early. Returns the model config it had to build anyway.
+    every rank fails identically and early. Returns the model config and the parallel plan (for the
+    world size the launcher set), which it had to build anyway.
     """
     errors: list[str] = []
     t, o = cfg.trainer, cfg.optim
@@ -345,12 +335,6 @@ def validate_config(cfg: Any) -> NemotronHConfig:
             f"trainer.seq_len={t.seq_len}: must be >= 2 (one input and one target token). "
             "Fix: set trainer.seq_len to at least 2, e.g. 128."
         )
-    if t.global_batch_size > 0 and t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:
-        errors.append(
-            f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
-            f"trainer.micro_batch_size={t.micro_batch_size}. Fix: make the global batch a multiple of "
-            "micro batch x data-parallel size."
-        )
     _check_choice(errors, "trainer.device", t.device, DEVICES)
 
     positive("optim.lr", o.lr)
@@ -362,28 +346,13 @@ def validate_config(cfg: Any) -> NemotronHConfig:
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         errors.append(f"optim.betas={list(o.betas)}: need two values in [0, 1). Fix: e.g. [0.9,0.95].")
 
-    _check_choice(errors, "ac.mode", cfg.ac.mode, AC_MODES)
-    positive("ac.every", cfg.ac.every)
-    for name in ("param_dtype", "reduce_dtype"):
-        try:
-            torch_dtype(f"fsdp.{name}", getattr(cfg.fsdp, name))
-        except ConfigError as e:
-            errors.append(str(e))
-
-    m = cfg.mesh
-    for name in ("dp_replicate", "cp", "tp"):
-        positive(f"mesh.{name}", getattr(m, name))
-    if m.dp_shard != -1 and m.dp_shard < 1:
-        errors.append(f"mesh.dp_shard={m.dp_shard}: must be >= 1, or -1 to infer it from the world size.")
-    # Context parallel cuts every sequence into 2*cp load-balanced chunks, and sequence parallel
-    # splits each rank's part again over the tp ranks.
-    seq_unit = (2 * m.cp if m.cp > 1 else 1) * (m.tp if m.sequence_parallel and m.tp > 1 else 1)
-    if t.seq_len >= 2 and m.cp >= 1 and m.tp >= 1 and t.seq_len % seq_unit:
-        errors.append(
-            f"trainer.seq_len={t.seq_len} is not divisible by {seq_unit} (2 x mesh.cp={m.cp}"
-            f"{f' x mesh.tp={m.tp} for sequence parallel' if m.sequence_parallel else ''}). "
-            f"Fix: use a multiple of {seq_unit}, e.g. {max(seq_unit, t.seq_len // seq_unit * seq_unit)}."
-        )
+    plan = None
+    try:
+        plan = ParallelPlan.from_config(cfg, launched_world_size())
+    except ParallelConfigError as e:
+        errors.append(str(e).removeprefix("invalid parallel settings:\n  "))
+    if plan is not None and t.global_batch_size > 0 and t.micro_batch_size > 0:
+        errors.extend(_batch_split_problems(t, plan.dp_size))
 
     _check_choice(errors, "logger.wandb.mode", cfg.logger.wandb.mode, WANDB_MODES)
 
@@ -404,19 +373,19 @@ def validate_config(cfg: Any) -> NemotronHConfig:
 
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
-    return build_model_config(cfg.model)
+    return build_model_config(cfg.model), plan
 
 
-def validate_data_parallel(cfg: Any, dp_size: int) -> None:
-    """Batch-size checks that need the data-parallel size, known once the mesh exists."""
-    t = cfg.trainer
+def _batch_split_problems(t: Any, dp_size: int) -> list[str]:
+    """The global batch must split into whole micro-batches on every data-parallel rank."""
     unit = t.micro_batch_size * dp_size
-    if t.global_batch_size % unit:
-        lower = t.global_batch_size // unit * unit
-        options = " or ".join(str(v) for v in (lower, lower + unit) if v > 0)
-        raise ConfigError(
-            f"trainer.global_batch_size={t.global_batch_size} is not divisible by trainer.micro_batch_size="
-            f"{t.micro_batch_size} x data-parallel size {dp_size} = {unit}, so ranks would run unequal "
-            f"numbers of micro-batches. Fix: set trainer.global_batch_size={options}, or lower "
-            "trainer.micro_batch_size."
-        )
+    if t.global_batch_size % unit == 0:
+        return []
+    lower = t.global_batch_size // unit * unit
+    options = " or ".join(str(v) for v in (lower, lower + unit) if v > 0)
+    return [
+        f"trainer.global_batch_size={t.global_batch_size} is not divisible by trainer.micro_batch_size="
+        f"{t.micro_batch_size} x data-parallel size {dp_size} = {unit}, so ranks would run unequal "
+        f"numbers of micro-batches. Fix: set trainer.global_batch_size={options}, or lower "
+        "trainer.micro_batch_size."
+    ]

@@ -16,10 +16,10 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 # Importing the config module registers the schema and resolvers that conf/finetune.yaml uses.
-from nemotron_recipe.config import ConfigError
+import nemotron_recipe.config  # noqa: F401
+from nemotron_recipe.distributed.plan import ParallelConfigError, processes_needed
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-SIZES = ("dp_replicate", "dp_shard", "cp", "tp")
 
 
 def compose_mesh(overrides: list[str]):
@@ -27,25 +27,10 @@ def compose_mesh(overrides: list[str]):
         return compose(config_name="finetune", overrides=overrides).mesh
 
 
-def processes_needed(mesh) -> int:
-    """The product of the mesh sizes; an inferred dp_shard takes whatever the others leave, so 1 here."""
-    count = 1
-    for name in SIZES:
-        size = getattr(mesh, name)
-        if name == "dp_shard" and size == -1:
-            continue
-        # The recipe refuses these too, but only once every process has started.
-        if size < 1:
-            inferred = ", or -1 to infer it from the world size" if name == "dp_shard" else ""
-            raise ConfigError(f"mesh.{name}={size}: must be >= 1{inferred}.")
-        count *= size
-    return count
-
-
 def main(overrides: list[str]) -> int:
     try:
         print(processes_needed(compose_mesh(overrides)))
-    except (HydraException, OmegaConfBaseException, ConfigError) as e:
+    except (HydraException, OmegaConfBaseException, ParallelConfigError) as e:
         # As Hydra reports it to the recipe: the message, then the type error behind it.
         print(e, file=sys.stderr)
         if isinstance(e.__cause__, OmegaConfBaseException):

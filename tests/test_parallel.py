@@ -18,10 +18,9 @@ import pytest
 import torch
 from torch import nn
 
-from nemotron_recipe.distributed import MeshError, ParallelConfigError, resolve_mesh_shape
+from nemotron_recipe.distributed import ParallelConfigError, ParallelPlan
 from nemotron_recipe.models.nemotron_v3 import PRESETS, NemotronHConfig, NemotronHForCausalLM
 from nemotron_recipe.models.nemotron_v3.parallelization import (
-    PARALLELIZER,
     _decoder_blocks,
     check_context_parallel,
     check_tensor_parallel,
@@ -79,7 +78,10 @@ FOUR_RANK_CASES = [
     "1,1,2,2,1,blocks,fp32",  # CP 2 x TP 2 + SP
     "1,2,2,1,0,none,fp32",  # FSDP 2 x CP 2
     "1,1,4,1,0,none,fp32",  # CP 4
+    "1,1,4,1,0,none,fp32,groups2",  # CP 4 over 2 Mamba groups: each group split in two
+    "1,1,2,2,0,none,fp32,groups2",  # CP 2 x TP 2 over 2 Mamba groups: 1 group per tp rank, split in two
 ]
+SPLIT_GROUP_CASES = [case for case in FOUR_RANK_CASES if case.endswith(",groups2")]
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +118,14 @@ def test_tensor_parallel_shards_every_dense_block(two_rank, four_rank):
     assert all(f <= 0.55 for b, f in hf.items() if b.endswith("mlp"))
 
 
+@pytest.mark.distributed
+def test_cp_beyond_the_groups_of_a_rank_splits_them(four_rank):
+    """The groups2 cases match one process through the virtual-group path, not around it."""
+    for case in SPLIT_GROUP_CASES:
+        assert four_rank[case]["split_group_scans"] > 0, f"{case}: no Mamba2 scan ran on split groups"
+    assert four_rank["1,1,4,1,0,none,fp32"]["split_group_scans"] == 0  # 4 groups over cp 4: whole groups
+
+
 # ------------------------------------------------------------------ validation, no ranks needed
 def _model(**dims):
     return NemotronHForCausalLM(NemotronHConfig(**{**vars(PRESETS["tiny"]), **dims}))
@@ -125,7 +135,7 @@ def _model(**dims):
     "dims,tp,needle",
     [
         (dict(pattern="*", num_attention_heads=6, num_key_value_heads=2), 4, "num_attention_heads=6"),
-        (dict(pattern="*", num_attention_heads=8, num_key_value_heads=2), 4, "num_key_value_heads=2"),
+        (dict(pattern="*", num_attention_heads=12, num_key_value_heads=3), 4, "num_key_value_heads=3"),
         (dict(pattern="M", mamba_num_heads=8, n_groups=2), 4, "n_groups=2"),
         (dict(pattern="-", intermediate_size=30), 4, "intermediate_size=30"),
     ],
@@ -175,22 +185,46 @@ def test_unknown_plan_and_sp_misuse_are_clear_errors():
         check_tensor_parallel(model, 2, "mlp", True)
 
 
+def _plan_cfg(seq_len=128, ac="none", every=2, param_dtype="fp32", **mesh):
+    mesh = {"dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 1, "sequence_parallel": False, **mesh}
+    return SimpleNamespace(
+        mesh=SimpleNamespace(**mesh), ac=SimpleNamespace(mode=ac, every=every),
+        fsdp=SimpleNamespace(param_dtype=param_dtype, reduce_dtype="fp32", offload=False, reshard_after_forward=None),
+        trainer=SimpleNamespace(seq_len=seq_len),
+    )
+
+
 @pytest.mark.parametrize(
-    "mesh,world,needle",
+    "settings,world,needle",
     [
-        (dict(dp_replicate=1, dp_shard=2, cp=1, tp=2), 8, "= 4, but the world size is 8"),
-        (dict(dp_replicate=1, dp_shard=-1, cp=1, tp=3), 8, "does not divide the world size 8"),
-        (dict(dp_replicate=1, dp_shard=-1, cp=1, tp=1, sequence_parallel=True), 2, "needs tensor parallel"),
+        (dict(dp_shard=2, tp=2), 8, "= 4, but the world size is 8"),
+        (dict(tp=3), 8, "does not divide the world size 8"),
+        (dict(sequence_parallel=True), 2, "needs tensor parallel"),
+        (dict(tp=4), 1, "needs 4 processes, but this is a single process"),
+        (dict(cp=2, seq_len=30), 2, "trainer.seq_len=30 is not divisible by 4"),
+        (dict(tp=2, sequence_parallel=True, cp=2, seq_len=36), 4, "not divisible by 8"),
+        (dict(ac="sometimes"), 1, "ac.mode='sometimes'"),
+        (dict(ac="every_nth", every=0), 1, "ac.every=0"),
+        (dict(param_dtype="fp16"), 1, "fsdp.param_dtype='fp16'"),
     ],
 )
-def test_mesh_errors_name_the_numbers(mesh, world, needle):
-    with pytest.raises(MeshError, match=needle):
-        resolve_mesh_shape(SimpleNamespace(**{"sequence_parallel": False, **mesh}), world)
+def test_plan_errors_name_the_field_and_a_fix(settings, world, needle):
+    with pytest.raises(ParallelConfigError, match=needle) as err:
+        ParallelPlan.from_config(_plan_cfg(**settings), world)
+    assert "Fix:" in str(err.value)
 
 
-def test_dp_shard_is_inferred():
-    cfg = SimpleNamespace(dp_replicate=2, dp_shard=-1, cp=1, tp=2, sequence_parallel=True)
-    assert resolve_mesh_shape(cfg, 8) == {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 2}
+def test_single_process_asked_for_a_mesh_is_told_how_to_launch():
+    with pytest.raises(ParallelConfigError) as err:
+        ParallelPlan.from_config(_plan_cfg(tp=4), 1)
+    assert "torchrun --standalone --nproc-per-node 4 -m recipes.finetune mesh.tp=4" in str(err.value)
+    assert "NPROC_PER_NODE=4 launch/torchrun.sh mesh.tp=4" in str(err.value)
+
+
+def test_plan_infers_dp_shard_and_sizes_the_data_layout():
+    plan = ParallelPlan.from_config(_plan_cfg(dp_replicate=2, tp=2, sequence_parallel=True), 8)
+    assert plan.describe() == {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 2}
+    assert (plan.world_size, plan.dp_size, plan.seq_len_divisor) == (8, 4, 2)
 
 
 class _RemoteBlock(nn.Module):
@@ -223,16 +257,3 @@ def test_decoder_blocks_native_and_transformers():
     assert container is hf.model.layers
     assert [b.block_type for b in blocks] == ["linear_attention", "full_attention", "linear_attention", "mlp",
                                               "linear_attention", "moe"]
-
-
-def test_parallelize_rejects_unknown_ac_mode():
-    fsdp = SimpleNamespace(param_dtype="fp32", reduce_dtype="fp32", offload=False, reshard_after_forward=None)
-    with pytest.raises(ParallelConfigError, match="ac.mode='sometimes'"):
-        PARALLELIZER.parallelize(_model(), None, fsdp_cfg=fsdp, ac_mode="sometimes")
-
-
-def test_fp16_is_refused_with_a_reason():
-    fsdp = SimpleNamespace(param_dtype="fp16", reduce_dtype="fp32", offload=False, reshard_after_forward=None)
-    with pytest.raises(ParallelConfigError, match="fsdp.param_dtype='fp16'"):
-        PARALLELIZER.parallelize(_model(), SimpleNamespace(device_type="cpu"), fsdp_cfg=fsdp)
-

@@ -1,14 +1,17 @@
-"""Device mesh, the parallelizer contract and parallel building blocks."""
+"""The parallel plan and device meshes, the parallelizer contract and parallel building blocks."""
 
-from .mesh import MESH_DIMS, MeshError, build_mesh, resolve_mesh_shape
-from .parallelizer import ModelParallelizer, ParallelConfigError, fsdp_policies
+from .mesh import MeshError, data_parallel_mesh, submesh
+from .parallelizer import ModelParallelizer
+from .plan import MESH_DIMS, ActivationCheckpointing, ParallelConfigError, ParallelMeshes, ParallelPlan
 
 __all__ = [
     "MESH_DIMS",
+    "ActivationCheckpointing",
     "MeshError",
     "ModelParallelizer",
     "ParallelConfigError",
-    "build_mesh",
-    "fsdp_policies",
-    "resolve_mesh_shape",
+    "ParallelMeshes",
+    "ParallelPlan",
+    "data_parallel_mesh",
+    "submesh",
 ]

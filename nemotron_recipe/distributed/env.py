@@ -62,6 +62,11 @@ def _launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def launched_world_size() -> int:
+    """The number of processes the launcher started (1 without torchrun)."""
+    return int(os.environ["WORLD_SIZE"]) if _launched_by_torchrun() else 1
+
+
 def init_distributed(device: str = "auto") -> DistEnv:
     """Initialise the default process group (once) and pick this rank's device.
 

@@ -1,76 +1,47 @@
 """The contract between the recipe and a model's own parallelizer.
 
-A model package ships a `ModelParallelizer` subclass whose `_apply` knows the model's blocks; the
-recipe calls `parallelize`, which turns the config groups into policies and calls `_apply`.
+A model package ships a `ModelParallelizer` subclass whose `_apply` (the published signature) knows
+the model's blocks; the recipe calls `parallelize` with its `ParallelPlan`, which turns the plan into
+`_apply`'s arguments.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import ParallelStyle
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-AC_MODES = ("none", "blocks", "full", "selective")
+from .plan import ParallelConfigError, ParallelMeshes, ParallelPlan
 
-
-class ParallelConfigError(ValueError):
-    """A parallel setting the model cannot run with; names the field, the value and a fix."""
-
-
-def fsdp_policies(fsdp_cfg: Any, device_type: str) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
-    def dtype(field: str) -> torch.dtype:
-        value = getattr(fsdp_cfg, field)
-        if value not in DTYPES:
-            raise ParallelConfigError(
-                f"fsdp.{field}={value!r}: unknown dtype. Fix: use one of {sorted(DTYPES)} "
-                "(fp16 is not offered: it is fragile in training and very slow on CPU)."
-            )
-        return DTYPES[value]
-
-    mp = MixedPrecisionPolicy(param_dtype=dtype("param_dtype"), reduce_dtype=dtype("reduce_dtype"))
-    # Pinned host memory needs a CUDA runtime; on a CPU-only machine pinning fails.
-    offload = CPUOffloadPolicy(pin_memory=device_type == "cuda") if fsdp_cfg.offload else OffloadPolicy()
-    return mp, offload
+__all__ = ["ModelParallelizer", "ParallelConfigError"]
 
 
 class ModelParallelizer(abc.ABC):
     def parallelize(
         self,
         model: nn.Module,
-        device_mesh: DeviceMesh,
+        plan: ParallelPlan,
+        meshes: ParallelMeshes,
         *,
-        fsdp_cfg: Any,
-        sequence_parallel: bool = False,
-        ac_mode: str = "none",
-        ac_every: int = 2,
         tp_shard_plan: dict[str, ParallelStyle] | str | None = None,
         reapply_trainability: Callable[[nn.Module], None] | None = None,
     ) -> nn.Module:
-        """Apply every parallelism the config asks for; the recipe's single entry point."""
-        if ac_mode not in AC_MODES:
-            raise ParallelConfigError(f"ac.mode={ac_mode!r}: unknown. Fix: use one of {list(AC_MODES)}.")
-        if ac_mode == "selective" and ac_every < 1:
-            raise ParallelConfigError(f"ac.every={ac_every}: must be >= 1 for selective checkpointing.")
-        mp_policy, offload_policy = fsdp_policies(fsdp_cfg, device_mesh.device_type)
+        """Apply every parallelism `plan` asks for over `meshes`; the recipe's single entry point."""
+        mp_policy, offload_policy = plan.fsdp_policies(meshes.root.device_type)
         return self._apply(
             model,
-            device_mesh,
+            meshes.root,
             mp_policy=mp_policy,
             offload_policy=offload_policy,
-            sequence_parallel=sequence_parallel,
-            activation_checkpointing=ac_mode != "none",
+            sequence_parallel=plan.sequence_parallel,
+            activation_checkpointing=plan.ac,
             tp_shard_plan=tp_shard_plan,
-            reshard_after_forward=fsdp_cfg.reshard_after_forward,
+            reshard_after_forward=plan.reshard_after_forward,
             reapply_trainability=reapply_trainability,
-            ac_mode=ac_mode,
-            ac_every=ac_every,
         )
 
     @abc.abstractmethod

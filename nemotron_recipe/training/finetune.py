@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from nemotron_recipe.config import ConfigError, validate_config, validate_data_parallel
+from nemotron_recipe.config import ConfigError, validate_config
 from nemotron_recipe.data import (
     GlobalBatchPlan,
     collate,
@@ -35,6 +35,7 @@ from nemotron_recipe.data import (
     val_batches,
 )
 from nemotron_recipe.distributed.env import DistEnv, distributed
+from nemotron_recipe.distributed.plan import ParallelPlan
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
 from nemotron_recipe.training.checkpoint import Checkpointer
 from nemotron_recipe.training.compile import compile_blocks
@@ -44,7 +45,7 @@ from nemotron_recipe.training.logging import MetricsWriter, TrainMetrics, earlie
 from nemotron_recipe.training.loss import IGNORE_INDEX, forward_loss_sum, local_value
 from nemotron_recipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from nemotron_recipe.training.preemption import StopConditions
-from nemotron_recipe.training.setup import DataLayout, build_device_mesh, data_layout, parallelize_model
+from nemotron_recipe.training.setup import DataLayout, data_layout, parallelize_model
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +163,10 @@ class Trainer:
     rank in the same order: most of them hold collectives.
     """
 
-    def __init__(self, cfg: Any, model_config: NemotronHConfig, env: DistEnv, *, started: float) -> None:
-        self.cfg, self.env, self.started = cfg, env, started
+    def __init__(
+        self, cfg: Any, model_config: NemotronHConfig, plan: ParallelPlan, env: DistEnv, *, started: float
+    ) -> None:
+        self.cfg, self.parallel, self.env, self.started = cfg, plan, env, started
         self.run_dir = Path(cfg.run_dir)
         self._setup_parallel()
         # Before any data or model work: a checkpoint that cannot be resumed fails the run at once.
@@ -186,12 +189,11 @@ class Trainer:
         The one place that reads the mesh: the rest of the run sees `layout` (data), `mesh_shape`
         (reports and checkpoint meta) and `_parallelize` (the model).
         """
-        mesh = build_device_mesh(self.cfg, self.env.world_size, self.env.device.type)
-        self.layout = data_layout(mesh)
-        validate_data_parallel(self.cfg, self.layout.dp_size)
-        self.mesh_shape = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
+        meshes = self.parallel.build_meshes(self.env.device.type)
+        self.layout = data_layout(self.parallel, meshes)
+        self.mesh_shape = self.parallel.describe()
         self._parallelize: Callable[[torch.nn.Module], torch.nn.Module] = functools.partial(
-            parallelize_model, mesh=mesh, cfg=self.cfg
+            parallelize_model, plan=self.parallel, meshes=meshes
         )
 
     def _setup_data(self, model_config: NemotronHConfig) -> None:
@@ -206,7 +208,7 @@ class Trainer:
             )
         self.data = load_sft_data(cfg.data, tokenizer, seq_len=t.seq_len, seed=cfg.seed)
         self.pad_id = tokenizer.pad_token_id
-        self.plan = GlobalBatchPlan(
+        self.batch_plan = GlobalBatchPlan(
             len(self.data.train), t.global_batch_size, t.micro_batch_size, self.layout.dp_rank, self.layout.dp_size,
             cfg.seed,
         )
@@ -216,7 +218,7 @@ class Trainer:
                 self.data.val, t.micro_batch_size, self.layout.dp_rank, self.layout.dp_size, t.seq_len, self.pad_id
             )
         log.info("data: %s; %d micro-batch(es) per rank per step", self.data.describe(t.seq_len),
-                 self.plan.grad_accum_steps)
+                 self.batch_plan.grad_accum_steps)
 
     def _setup_model(self, model_config: NemotronHConfig) -> None:
         """The parallelized model in training mode; pretrained weights go straight into its shards."""
@@ -248,7 +250,7 @@ class Trainer:
     def _compile(self) -> None:
         """Compiles the blocks. The probe compiles forward and backward at the training shape (a real
         micro-batch) on every rank in step, so a failure shows up here, not mid-training."""
-        first = self.plan.indices_for_step(self.start_step)[0]
+        first = self.batch_plan.indices_for_step(self.start_step)[0]
         probe = {k: v.to(self.env.device) for k, v in self._collate(first).items()}
 
         def run_probe() -> None:
@@ -317,7 +319,7 @@ class Trainer:
     def train_step(self, step: int) -> StepResult:
         """One optimizer step on the global batch of `step` (0-based), loss normalised as the module
         docstring says: every micro-batch's loss sum is divided by the step's global token count."""
-        micro_batches = [self._collate(indices) for indices in self.plan.indices_for_step(step)]
+        micro_batches = [self._collate(indices) for indices in self.batch_plan.indices_for_step(step)]
         trained_tokens = self._global_trained_tokens(micro_batches)
         denominator = max(trained_tokens, 1)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.env.device)
@@ -412,13 +414,13 @@ class Trainer:
 def run(cfg: Any) -> dict[str, Any]:
     """Fine-tune as `cfg` (a `FinetuneConfig`-shaped DictConfig) says; returns the summary."""
     started = time.perf_counter()
-    model_config = validate_config(cfg)
+    model_config, plan = validate_config(cfg)
     with distributed(cfg.trainer.device) as env:
         if not env.is_main:
             logging.getLogger("nemotron_recipe").setLevel(logging.WARNING)
         if env.device.type == "cpu":
             keep_freed_memory()  # large activations are reused instead of page-faulted every step
-        summary = Trainer(cfg, model_config, env, started=started).train()
+        summary = Trainer(cfg, model_config, plan, env, started=started).train()
         if env.is_main:
             print_summary(summary)
     return summary

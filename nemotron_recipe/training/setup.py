@@ -1,37 +1,26 @@
-"""The device mesh and the single hook that applies parallelism (TP/SP/CP/AC/FSDP2) to the model."""
+"""The recipe's parallel setup: the meshes, the data layout and the one call that parallelizes the model."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from nemotron_recipe.distributed.context_parallel import ContextParallel, shard_sequence
-from nemotron_recipe.distributed.mesh import build_mesh
+from nemotron_recipe.distributed.fsdp import sum_data_parallel_gradients
+from nemotron_recipe.distributed.plan import ParallelMeshes, ParallelPlan
 from nemotron_recipe.models.nemotron_v3.parallelization import PARALLELIZER
 
-log = logging.getLogger(__name__)
 
-
-def build_device_mesh(cfg: Any, world_size: int, device_type: str) -> DeviceMesh:
-    return build_mesh(cfg.mesh, world_size, device_type)
-
-
-def parallelize_model(model: nn.Module, mesh: DeviceMesh, cfg: Any) -> nn.Module:
-    """Apply the configured TP/SP/CP/AC/FSDP2 with the model's own parallelizer (which makes FSDP sum,
-    not average, data-parallel gradients: the loss is already divided by the global token count)."""
-    return PARALLELIZER.parallelize(
-        model,
-        mesh,
-        fsdp_cfg=cfg.fsdp,
-        sequence_parallel=cfg.mesh.sequence_parallel,
-        ac_mode=cfg.ac.mode,
-        ac_every=cfg.ac.every,
-    )
+def parallelize_model(model: nn.Module, plan: ParallelPlan, meshes: ParallelMeshes) -> nn.Module:
+    """Apply the plan's TP/SP/CP/AC/FSDP2 with the model's own parallelizer."""
+    model = PARALLELIZER.parallelize(model, plan, meshes)
+    # Each micro-batch's loss is already divided by the token count of the whole global batch, so
+    # the data-parallel ranks' gradients add up to the batch's gradient: sum them, do not average.
+    sum_data_parallel_gradients(model)
+    return model
 
 
 @dataclass(frozen=True)
@@ -54,13 +43,8 @@ class DataLayout:
         return shard_sequence(t, self.cp)
 
 
-def data_layout(mesh: DeviceMesh) -> DataLayout:
-    names = mesh.mesh_dim_names or ()
-    dp = mesh["dp"] if mesh.ndim > 1 else mesh
+def data_layout(plan: ParallelPlan, meshes: ParallelMeshes) -> DataLayout:
     cp = None
-    token_mesh = dp
-    if "cp" in names and mesh["cp"].size() > 1:
-        cp_mesh = mesh["cp"]
-        cp = ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
-        token_mesh = mesh["dp_cp"]
-    return DataLayout(dp.get_local_rank(), dp.size(), token_mesh.get_group(), cp)
+    if plan.cp > 1:
+        cp = ContextParallel(meshes.cp.get_group(), meshes.cp.get_local_rank(), plan.cp)
+    return DataLayout(meshes.dp.get_local_rank(), plan.dp_size, meshes.dp_cp.get_group(), cp)

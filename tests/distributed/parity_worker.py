@@ -4,22 +4,26 @@ the per-step losses and step-1 gradients of each to a JSON file for the tests to
     torchrun --standalone --nproc-per-node N tests/distributed/parity_worker.py OUT.json CASE [CASE ...]
 
 A CASE is `dp_replicate,dp_shard,cp,tp,sp,ac,dtype[,model]`, e.g. `1,2,1,1,0,none,fp32`; dtype is
-fp32, bf16 or bf16_offload (CPU-offloaded parameters); model is native (default) or hf (`transformers`).
+fp32, bf16 or bf16_offload (CPU-offloaded parameters); model is native (default), groups2 (native with
+2 Mamba groups, so that a cp larger than a rank's groups splits them) or hf (`transformers`).
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import sys
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from nemotron_recipe.distributed import build_mesh
+from worker_results import write_and_finish
+
 from nemotron_recipe.distributed.context_parallel import ContextParallel, shard_sequence
+from nemotron_recipe.distributed.fsdp import sum_data_parallel_gradients
+from nemotron_recipe.distributed.plan import DTYPES, ActivationCheckpointing, ParallelPlan
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.models.nemotron_v3.model import Mamba2Mixer
 from nemotron_recipe.models.nemotron_v3.parallelization import PARALLELIZER
 from nemotron_recipe.training.loss import cross_entropy_sum, local_value, loss_parallel_for
 
@@ -32,6 +36,7 @@ CFG = NemotronHConfig(
     n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24,
     n_group=2, topk_group=1, routed_scaling_factor=2.5,
 )
+NATIVE_CONFIGS = {"native": CFG, "groups2": dataclasses.replace(CFG, n_groups=2)}
 
 
 def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +56,20 @@ def build_model(name: str):
 
         hf_cfg = transformers.NemotronHConfig(**{**CFG.to_hf_dict(), "use_mamba_kernels": False})
         return transformers.NemotronHForCausalLM(hf_cfg).float()
-    return NemotronHForCausalLM(CFG)
+    return NemotronHForCausalLM(NATIVE_CONFIGS[name])
+
+
+def count_split_group_scans(counter: list[int]) -> None:
+    """Count the Mamba2 scans that get fewer heads per group than the mixer has: context parallel
+    splits each group into virtual ones only when a rank holds fewer groups than cp."""
+    conv_and_scan = Mamba2Mixer.conv_and_scan
+
+    def counted(self, xbc, dt, *args, **kwargs):
+        if dt.shape[-1] < self.heads_per_group:
+            counter[0] += 1
+        return conv_and_scan(self, xbc, dt, *args, **kwargs)
+
+    Mamba2Mixer.conv_and_scan = counted
 
 
 def clean_name(name: str) -> str:
@@ -104,31 +122,32 @@ def train(model, ids, targets, *, dp_rank=0, dp_size=1, dp_group=None, cp=None):
 def main() -> None:
     out_path, cases = sys.argv[1], sys.argv[2:]
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     ids, targets = make_batch()
     results = {}
     references = {}
+    split_group_scans = [0]
+    count_split_group_scans(split_group_scans)
     for case in cases:
         fields = case.split(",")
         rep, shard, cp, tp, sp, ac, dtype = fields[:7]
         model_name = fields[7] if len(fields) > 7 else "native"
         if model_name not in references and rank == 0:
             references[model_name] = train(build_model(model_name), ids, targets)
-        mesh_cfg = SimpleNamespace(dp_replicate=int(rep), dp_shard=int(shard), cp=int(cp), tp=int(tp),
-                                   sequence_parallel=sp == "1")
-        mesh = build_mesh(mesh_cfg, world)
-        model = build_model(model_name)
-        fsdp_cfg = SimpleNamespace(param_dtype=dtype.removesuffix("_offload"), reduce_dtype="fp32",
-                                   offload=dtype.endswith("_offload"), reshard_after_forward=None)
-        PARALLELIZER.parallelize(
-            model, mesh, fsdp_cfg=fsdp_cfg, sequence_parallel=mesh_cfg.sequence_parallel, ac_mode=ac,
-            tp_shard_plan="mlp" if model_name == "hf" else None,
+        plan = ParallelPlan(
+            dp_replicate=int(rep), dp_shard=int(shard), cp=int(cp), tp=int(tp), sequence_parallel=sp == "1",
+            ac=ActivationCheckpointing(ac), param_dtype=DTYPES[dtype.removesuffix("_offload")],
+            offload=dtype.endswith("_offload"),
         )
-        dp = mesh["dp"]
-        cp_mesh = mesh["cp"]
-        cp_ctx = ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+        meshes = plan.build_meshes()
+        model = build_model(model_name)
+        PARALLELIZER.parallelize(model, plan, meshes, tp_shard_plan="mlp" if model_name == "hf" else None)
+        sum_data_parallel_gradients(model)  # the loss is divided by the global token count
+        dp = meshes.dp
+        cp_ctx = ContextParallel(meshes.cp.get_group(), meshes.cp.get_local_rank(), plan.cp)
+        split_group_scans[0] = 0
         losses, grads, logits = train(model, ids, targets, dp_rank=dp.get_local_rank(), dp_size=dp.size(),
-                                      dp_group=mesh["dp_cp"].get_group(), cp=cp_ctx)
+                                      dp_group=meshes.dp_cp.get_group(), cp=cp_ctx)
         # Step-0 logits of this rank's samples and positions against the unsharded model's.
         per_rank = GLOBAL_BATCH // dp.size()
         with torch.no_grad():
@@ -136,6 +155,8 @@ def main() -> None:
         ref = shard_sequence(ref[dp.get_local_rank() * per_rank:(dp.get_local_rank() + 1) * per_rank], cp_ctx)
         logits_err = torch.tensor((logits - ref).abs().max().item() / ref.abs().max().item())
         dist.all_reduce(logits_err, op=dist.ReduceOp.MAX)
+        split_scans = torch.tensor(split_group_scans[0])  # the fewest of any rank
+        dist.all_reduce(split_scans, op=dist.ReduceOp.MIN)
         # Fraction of each block's parameters this rank holds under tensor parallel (FSDP excluded).
         held = {
             f"{i}:{CFG.block_types[i]}": sum(p.numel() * tp_fraction(p, int(tp)) for p in block.parameters())
@@ -147,13 +168,10 @@ def main() -> None:
             errs = {name: ((grads[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
                     for name, g in ref_grads.items()}
             results[case] = {"logits_rel_err": logits_err.item(), "losses": losses, "ref_losses": ref_losses, "grad_rel_err": errs,
-                             "missing_grads": sorted(set(ref_grads) - set(grads)), "tp_held_fraction": held}
+                             "missing_grads": sorted(set(ref_grads) - set(grads)), "tp_held_fraction": held,
+                             "split_group_scans": split_scans.item()}
         dist.barrier()
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    write_and_finish(out_path, results)
 
 
 if __name__ == "__main__":
