@@ -127,7 +127,7 @@ def test_chunked_scan_matches_recurrence(seq_len, chunk):
 def test_fp32_parameters_survive_dtype_casts():
     model = NemotronHForCausalLM(PRESETS["tiny"]).to(torch.bfloat16)
     for name, p in model.named_parameters():
-        fp32 = name.endswith(("A_log", "D", "dt_bias", "gate.weight"))
+        fp32 = name.endswith(("A_log", "D", "dt_bias", "conv1d.weight", "conv1d.bias", "gate.weight"))
         assert p.dtype == (torch.float32 if fp32 else torch.bfloat16), name
     ids = torch.randint(0, 512, (1, 40))
     assert model(ids).logits.isfinite().all()

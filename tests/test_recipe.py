@@ -111,9 +111,16 @@ def test_pretrained_checkpoint_is_fine_tuned(tmp_path):
 
 @pytest.fixture(scope="module")
 def single_process_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("single")
-    run(make_cfg(run_dir, *TORCHRUN_STEPS))
-    return run_dir
+    """The one-process run of the given model overrides (run once per module for each)."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def reference(*model_overrides: str) -> Path:
+        if model_overrides not in runs:
+            runs[model_overrides] = tmp_path_factory.mktemp("single")
+            run(make_cfg(runs[model_overrides], *TORCHRUN_STEPS, *model_overrides))
+        return runs[model_overrides]
+
+    return reference
 
 
 TORCHRUN_STEPS = ["trainer.max_steps=5", "trainer.val_every=0", "data.val_max_batches=null"]
@@ -121,20 +128,24 @@ TORCHRUN_STEPS = ["trainer.max_steps=5", "trainer.val_every=0", "data.val_max_ba
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "mesh, expected",
+    "nproc, mesh, model, expected",
     [
-        ([], {"dp_shard": 2}),
-        (["mesh.cp=2"], {"cp": 2, "dp_shard": 1}),
-        (["mesh.tp=2", "mesh.sequence_parallel=true", "ac=blocks"], {"tp": 2, "dp_shard": 1}),
+        (2, [], [], {"dp_shard": 2}),
+        (2, ["mesh.cp=2"], [], {"cp": 2, "dp_shard": 1}),
+        (2, ["mesh.tp=2", "mesh.sequence_parallel=true", "ac=blocks"], [], {"tp": 2, "dp_shard": 1}),
+        # More tp ranks than key/value heads: each of the 2 heads lives on 2 ranks.
+        (4, ["mesh.tp=4"], ["model.num_key_value_heads=2"], {"tp": 4, "dp_shard": 1}),
     ],
-    ids=["fsdp2", "cp2", "tp2-sp-ac"],
+    ids=["fsdp2", "cp2", "tp2-sp-ac", "tp4-2kv"],
 )
-def test_torchrun_ranks_share_one_run_dir_and_match_one_process(tmp_path, single_process_run, mesh, expected):
+def test_torchrun_ranks_share_one_run_dir_and_match_one_process(tmp_path, single_process_run, nproc, mesh, model,
+                                                                 expected):
+    reference = single_process_run(*model)
     env = {k: v for k, v in os.environ.items() if k != "NR_RUN_ID"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "recipes.finetune", *TINY, *TORCHRUN_STEPS, *mesh],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+         "-m", "recipes.finetune", *TINY, *TORCHRUN_STEPS, *mesh, *model],
+        cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
     )
     # A clean exit: every rank returned 0 (no abort at teardown).
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -142,16 +153,19 @@ def test_torchrun_ranks_share_one_run_dir_and_match_one_process(tmp_path, single
     run_dirs = list((tmp_path / "outputs").glob("*/*"))
     assert len(run_dirs) == 1, run_dirs
     summary = json.loads((run_dirs[0] / "summary.json").read_text())
-    assert summary["world_size"] == 2
+    assert summary["world_size"] == nproc
     assert {k: summary["mesh"][k] for k in expected} == expected
 
     def losses(d):
         return [r.get("loss", r.get("val_loss")) for r in read_rows(d)]
 
-    # Same seed, same global batch: the same curve on any mesh (fp32).
-    assert losses(run_dirs[0]) == pytest.approx(losses(single_process_run), rel=1e-5)
+    # Same seed, same global batch: the same curve on any mesh (fp32), and the same gradients: the
+    # pre-clipping norm of every step (AdamW alone would hide a gradient off by a constant factor).
+    assert losses(run_dirs[0]) == pytest.approx(losses(reference), rel=1e-5)
+    grad_norms = [[r["grad_norm"] for r in read_rows(d) if "grad_norm" in r] for d in (run_dirs[0], reference)]
+    assert grad_norms[0] == pytest.approx(grad_norms[1], rel=1e-5)
     # Rank 0 alone writes: one metrics file, one row per logged step, one log line per event.
-    assert len(read_rows(run_dirs[0])) == len(read_rows(single_process_run))
+    assert len(read_rows(run_dirs[0])) == len(read_rows(reference))
     assert (run_dirs[0] / ".hydra" / "config.yaml").is_file()
     assert (run_dirs[0] / "finetune.log").read_text().count("val_loss") == 2
 
@@ -160,11 +174,11 @@ def test_torchrun_ranks_share_one_run_dir_and_match_one_process(tmp_path, single
 def test_bad_parallel_config_fails_on_every_rank_before_training(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "recipes.finetune", *TINY, "mesh.tp=2", "model.num_key_value_heads=1"],
+         "-m", "recipes.finetune", *TINY, "mesh.tp=2", "model.num_attention_heads=6", "model.num_key_value_heads=3"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode != 0
-    assert proc.stderr.count("mesh.tp=2 does not divide model.num_key_value_heads=1") == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("mesh.tp=2 does not divide model.num_key_value_heads=3") == 2, proc.stderr[-3000:]
     assert not list(tmp_path.glob("outputs/*/*/metrics.jsonl"))
 
 

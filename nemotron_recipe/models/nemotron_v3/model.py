@@ -22,12 +22,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from nemotron_recipe.distributed.tensor_parallel import vocab_parallel_cross_entropy
+
 from .config import NemotronHConfig
+from .context_parallel import context_parallel_attention, context_parallel_conv_and_scan
 from .kernels import causal_conv1d_silu, linear_cross_entropy_sum, ssd_scan
 from .ops import causal_attention, causal_conv1d
 from .ssd import discretize_dt, ssd_chunked
 
-if TYPE_CHECKING:  # the parallelizer sets it; the model itself never imports distributed code
+if TYPE_CHECKING:  # the parallelizer sets the mixers' group
     from nemotron_recipe.distributed.context_parallel import ContextParallel
 
 
@@ -37,13 +40,14 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 class _KeepFP32:
-    """Parameters named in `fp32_params` follow `.to(device)` but never a dtype cast: the SSM decay
-    and skip terms and the router lose routing and stability in bf16."""
+    """Parameters and buffers named in `fp32_params` (dotted paths below the module) follow
+    `.to(device)` but never a dtype cast: the SSM terms and the router lose stability and routing in bf16."""
 
     fp32_params: tuple[str, ...] = ()
 
     def _apply(self, fn, recurse=True):
-        keep = {id(getattr(self, name)) for name in self.fp32_params}
+        tensors = dict(self.named_parameters()) | dict(self.named_buffers())
+        keep = {id(tensors[name]) for name in self.fp32_params if name in tensors}
 
         def fn_keep_dtype(t):
             out = fn(t)
@@ -84,7 +88,8 @@ class GatedGroupRMSNorm(nn.Module):
 
 
 class Mamba2Mixer(_KeepFP32, nn.Module):
-    fp32_params = ("A_log", "D", "dt_bias")
+    # The conv too: the mixer reads its weight directly, so it shares the fp32 terms' FSDP unit.
+    fp32_params = ("A_log", "D", "dt_bias", "conv1d.weight", "conv1d.bias")
     context_parallel: ContextParallel | None = None  # set by the parallelizer
     # The conv and scan as single autograd nodes (kernels.py); False runs the plain compositions,
     # the reference they are tested against.
@@ -116,7 +121,7 @@ class Mamba2Mixer(_KeepFP32, nn.Module):
         if self.context_parallel is None:
             y = self.conv_and_scan(xbc, dt, document_ids=document_ids)
         else:
-            y = self.context_parallel.mamba_conv_and_scan(self, xbc, dt, document_ids)
+            y = context_parallel_conv_and_scan(self, xbc, dt, self.context_parallel, document_ids)
         y = self.norm(y.flatten(-2), z.flatten(-2))
         return self.out_proj(y)
 
@@ -176,7 +181,7 @@ class Attention(nn.Module):
         q, k, v = (proj(hidden).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.context_parallel is not None:
-            out = self.context_parallel.attention(q, k, v, document_ids)
+            out = context_parallel_attention(q, k, v, self.context_parallel, document_ids)
         else:
             out = causal_attention(q, k, v, document_ids)
         return self.o_proj(out.transpose(1, 2).flatten(2))
@@ -202,7 +207,7 @@ class Router(_KeepFP32, nn.Module):
     scores sum highest, then takes its top-k experts inside them.
     """
 
-    fp32_params = ("weight",)
+    fp32_params = ("weight", "e_score_correction_bias")
 
     def __init__(self, config: NemotronHConfig):
         super().__init__()
@@ -329,6 +334,15 @@ class CausalLMOutput:
     num_tokens: torch.Tensor | None = None
 
 
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of each position's logits against the next label (-100: not trained).
+    Vocab-sharded (tensor-parallel) logits are never gathered: the loss runs on their shards."""
+    if isinstance(logits, DTensor):
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # aligned with the logits
+        return vocab_parallel_cross_entropy(logits, targets).sum() / (targets != -100).sum()
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+
+
 class LMHead(nn.Linear):
     """The output projection. Given `targets` and a `chunk_size` it returns (loss sum, trained tokens)
     instead of logits, chunk by chunk, so the [tokens, vocab] logits never exist at once. The loss
@@ -371,9 +385,7 @@ class NemotronHForCausalLM(nn.Module):
             logits = out.float()
         else:
             logits = self.lm_head(hidden).float()
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        loss = None if labels is None else causal_lm_loss(logits, labels)
         return CausalLMOutput(logits=logits, loss=loss)
 
     @torch.no_grad()

@@ -1,16 +1,19 @@
 """Model-owned distributed parallelization for Nemotron-H and Nemotron-V3.
 
-Parallelisms are applied in a fixed order, one small function each:
-    tensor + sequence parallel  ->  context parallel  ->  activation checkpointing  ->  FSDP2
+`PARALLELIZER._apply` (the published signature) works on any Nemotron-H a caller brings: this
+package's model, transformers' `NemotronHForCausalLM` and the remote-code `backbone.*` layout, over a
+device mesh the caller built. Parallelisms are applied in a fixed order, one small function each:
+    tensor + sequence parallel  ->  context parallel  ->  activation checkpointing  ->  compile  ->  FSDP2
 
-Context parallel (distributed/context_parallel.py) gives each cp rank a load-balanced part of every
-sequence; Mamba2 and attention mixers exchange what they need across the cp group, the other blocks
-are per-token and need nothing. FSDP shards over the flattened (dp_shard, cp) dim.
+Context parallel gives each cp rank a load-balanced part of every sequence; Mamba2 and attention
+mixers exchange what they need across the cp group (models/nemotron_v3/context_parallel.py), the
+other blocks are per-token and need nothing. FSDP shards over the flattened (dp_shard, cp) dim.
 
 Tensor-parallel plans are data: dicts of `ParallelStyle` per block kind. The default plan shards every
 block kind of the native model:
 - MLP: `up_proj` colwise, `down_proj` rowwise;
-- attention: q/k/v colwise and `o_proj` rowwise, so each rank holds heads/tp query and kv heads;
+- attention: q/k/v colwise and `o_proj` rowwise, so each rank holds heads/tp query and kv heads; with
+  more tp ranks than kv heads, each rank keeps the kv head its query heads use (`KeyValueHeadsParallel`);
 - Mamba2: by groups (and so heads). The native `in_proj` and `conv1d` are group-major, so a plain
   row split gives each rank its own z, x, B, C and dt slices; `A_log`/`D`/`dt_bias` and the gated
   norm weight are split the same way, and `out_proj` is rowwise. Groups never straddle ranks, so
@@ -24,20 +27,21 @@ gathers the sequence before its input projections and reduce-scatters after its 
 
 The reference plan `"mlp"` shards only the MLP blocks and `lm_head`, which is all the other stacks
 offer. `transformers`' NemotronH and the remote-code model get the reference plan plus attention
-heads (their fused Mamba2 `in_proj` cannot be split by rows), and no sequence parallel.
+heads (their fused Mamba2 `in_proj` cannot be split by rows), no sequence parallel, and gathered
+logits, so that their own `labels=` loss works unchanged.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
-import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -48,9 +52,17 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from nemotron_recipe.distributed import context_parallel
-from nemotron_recipe.distributed.parallelizer import ModelParallelizer, ParallelConfigError
+from nemotron_recipe.distributed.activation_checkpoint import is_checkpointed
+from nemotron_recipe.distributed.activation_checkpoint import wrap as checkpoint_wrap
+from nemotron_recipe.distributed.context_parallel import ContextParallel
+from nemotron_recipe.distributed.fsdp import set_prefetch, shard_by_dtype
+from nemotron_recipe.distributed.mesh import MeshError, data_parallel_mesh, submesh
+from nemotron_recipe.distributed.parallelizer import ModelParallelizer
+from nemotron_recipe.distributed.plan import ActivationCheckpointing, ParallelConfigError, check_sequence_parallel
+from nemotron_recipe.distributed.tensor_parallel import Compose, KeyValueHeadsParallel, ShardParameters
 
+from .context_parallel import check_mamba
+from .kernels import SELECTIVE_AC_SAVED_OPS
 from .model import NemotronHForCausalLM
 
 __all__ = ["PARALLELIZER"]
@@ -83,6 +95,22 @@ def _decoder_blocks(model: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
     )
 
 
+def _no_cache_in_training(model: nn.Module, container: nn.Module) -> None:
+    """transformers' decoders build a generation cache whenever `use_cache` is on, in training too. A
+    checkpointed Mamba block then recomputes against a cache its first run already advanced, and its
+    conv sees a longer input than before. Training needs no cache: turn it off for training forwards."""
+    decoder = next(m for m in model.modules() if container in m.children())
+    if "use_cache" not in inspect.signature(decoder.forward).parameters:
+        return
+
+    def no_cache(module: nn.Module, args: tuple, kwargs: dict):
+        if module.training:
+            return args, {**kwargs, "use_cache": False}
+        return None
+
+    decoder.register_forward_pre_hook(no_cache, with_kwargs=True)
+
+
 def _set_block(container: nn.Module, index: int, block: nn.Module) -> None:
     if isinstance(container, nn.ModuleDict):
         key = sorted(container.keys(), key=int)[index]
@@ -104,45 +132,16 @@ def _embedding_and_head(model: nn.Module) -> tuple[str, str, str]:
     return f"{owner}.embeddings", f"{owner}.norm_f", "lm_head"
 
 
-# ------------------------------------------------------------------------------- parallel styles
-class ShardParameters(ParallelStyle):
-    """Shards the module's own parameters (not its children's) along `dim` over the tp mesh.
-
-    For parameters a mixer reads directly (conv weights, A_log, D, dt_bias, the gated-norm weight):
-    the mixer takes their local shard, matching the heads and groups its projections produced.
-    """
-
-    def __init__(self, *names: str, dim: int = 0):
-        super().__init__()
-        self.names, self.dim = names, dim
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name, param in list(module.named_parameters(recurse=False)):
-            if not self.names or name in self.names:
-                sharded = distribute_tensor(param.data, device_mesh, [Shard(self.dim)])
-                module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        return module
-
-
-class Compose(ParallelStyle):
-    """Several styles on one module, in order (a plan maps each module to one style)."""
-
-    def __init__(self, *styles: ParallelStyle):
-        super().__init__()
-        self.styles = styles
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for style in self.styles:
-            module = style._apply(module, device_mesh)
-        return module
-
-
+# ------------------------------------------------------------------------------- plans
 def _gather_sequence() -> ParallelStyle:
     return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
 
 
-def block_plan(kind: str, *, native: bool, sequence_parallel: bool, plan: str) -> dict[str, ParallelStyle]:
-    """The tensor-parallel plan of one block, relative to the block."""
+def block_plan(
+    kind: str, *, native: bool, sequence_parallel: bool, plan: str, key_value: ParallelStyle | None = None
+) -> dict[str, ParallelStyle]:
+    """The tensor-parallel plan of one block, relative to the block. `key_value`: the style of the
+    k/v projections (colwise unless tp exceeds the key/value heads)."""
     sp = sequence_parallel
     out = Shard(1) if sp else Replicate()
     styles: dict[str, ParallelStyle] = {}
@@ -153,8 +152,8 @@ def block_plan(kind: str, *, native: bool, sequence_parallel: bool, plan: str) -
     elif kind == "attention" and plan == "default":
         styles |= {
             "mixer.q_proj": ColwiseParallel(),
-            "mixer.k_proj": ColwiseParallel(),
-            "mixer.v_proj": ColwiseParallel(),
+            "mixer.k_proj": key_value or ColwiseParallel(),
+            "mixer.v_proj": key_value or ColwiseParallel(),
             "mixer.o_proj": RowwiseParallel(output_layouts=out),
         }
     elif kind == "mamba" and plan == "default" and native:
@@ -180,8 +179,11 @@ def block_plan(kind: str, *, native: bool, sequence_parallel: bool, plan: str) -
     return styles
 
 
-def model_plan(model: nn.Module, *, sequence_parallel: bool, plan: str) -> dict[str, ParallelStyle]:
-    """Embedding, final norm and head, relative to the whole model."""
+def model_plan(model: nn.Module, *, native: bool, sequence_parallel: bool, plan: str) -> dict[str, ParallelStyle]:
+    """Embedding, final norm and head, relative to the whole model.
+
+    The native model's head hands out vocab-sharded logits, which its loss (and the recipe's) takes as
+    they are; any other model gets them gathered, since its own loss expects plain logits."""
     embed, norm_f, head = _embedding_and_head(model)
     sp = sequence_parallel
     styles: dict[str, ParallelStyle] = {}
@@ -189,13 +191,20 @@ def model_plan(model: nn.Module, *, sequence_parallel: bool, plan: str) -> dict[
         styles[embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
     if sp:
         styles[norm_f] = SequenceParallel()
-    styles[head] = ColwiseParallel(
-        input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1), use_local_output=False
-    )
+    head_input = Shard(1) if sp else Replicate()
+    if native:
+        styles[head] = ColwiseParallel(input_layouts=head_input, output_layouts=Shard(-1), use_local_output=False)
+    else:
+        styles[head] = ColwiseParallel(input_layouts=head_input, output_layouts=Replicate())
     return styles
 
 
 # ------------------------------------------------------------------------------- validation
+def _config_value(cfg, *names: str) -> int:
+    """The first of `names` the config sets (native and transformers' configs name some fields apart)."""
+    return next(getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None)
+
+
 def check_tensor_parallel(model: nn.Module, tp: int, plan, sequence_parallel: bool) -> str | None:
     """Validate before anything is sharded; returns the plan's name (None for a user dict)."""
     native = isinstance(model, NemotronHForCausalLM)
@@ -218,8 +227,12 @@ def check_tensor_parallel(model: nn.Module, tp: int, plan, sequence_parallel: bo
             f"(got plan {name!r} on {type(model).__name__}). Fix: use tp_shard_plan='default' with "
             "nemotron_recipe's NemotronHForCausalLM, or turn sequence parallel off."
         )
-    if tp == 1:
-        return name
+    if tp > 1:
+        _check_tp_divides(model, tp, name, native)
+    return name
+
+
+def _check_tp_divides(model: nn.Module, tp: int, plan: str, native: bool) -> None:
     cfg = model.config
     kinds = {_block_kind(b) for b in _decoder_blocks(model)[1]}
 
@@ -230,16 +243,21 @@ def check_tensor_parallel(model: nn.Module, tp: int, plan, sequence_parallel: bo
                 f"Fix: choose mesh.tp among the divisors of {value}."
             )
 
-    get = lambda *names: next(getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None)  # noqa: E731
-    need("vocab_size", get("vocab_size"), "the vocab-sharded lm_head")
+    need("vocab_size", _config_value(cfg, "vocab_size"), "the vocab-sharded lm_head")
     if "mlp" in kinds:
-        need("intermediate_size", get("intermediate_size"), "MLP columns")
-    if name == "default" and "attention" in kinds:
-        need("num_attention_heads", get("num_attention_heads"), "query heads")
-        need("num_key_value_heads", get("num_key_value_heads"), "key/value heads")
-    if name == "default" and native and "mamba" in kinds:
-        need("n_groups", get("n_groups", "mamba_n_groups"), "Mamba2 groups: a group never straddles ranks")
-    return name
+        need("intermediate_size", _config_value(cfg, "intermediate_size"), "MLP columns")
+    if plan == "default" and "attention" in kinds:
+        need("num_attention_heads", _config_value(cfg, "num_attention_heads"), "query heads")
+        kv = _config_value(cfg, "num_key_value_heads")
+        if kv % tp and tp % kv:
+            raise ParallelConfigError(
+                f"mesh.tp={tp} does not divide model.num_key_value_heads={kv}, nor is it a multiple of it "
+                "(key/value heads are split over tp ranks, or each is replicated on tp/heads ranks). "
+                f"Fix: choose mesh.tp among the divisors or multiples of {kv}."
+            )
+    if plan == "default" and native and "mamba" in kinds:
+        need("n_groups", _config_value(cfg, "n_groups", "mamba_n_groups"),
+             "Mamba2 groups: a group never straddles ranks")
 
 
 def check_context_parallel(model: nn.Module, tp: int, cp: int) -> None:
@@ -251,7 +269,7 @@ def check_context_parallel(model: nn.Module, tp: int, cp: int) -> None:
     cfg = model.config
     if "M" in cfg.pattern:
         try:
-            context_parallel.check_mamba(cfg.mamba_num_heads // tp, cfg.n_groups // tp, cp)
+            check_mamba(cfg.mamba_num_heads // tp, cfg.n_groups // tp, cp)
         except ValueError as err:
             raise ParallelConfigError(str(err)) from None
 
@@ -262,21 +280,30 @@ def apply_tensor_parallel(model, blocks, tp_mesh, plan, sequence_parallel) -> No
         parallelize_module(model, tp_mesh, plan)
         return
     native = isinstance(model, NemotronHForCausalLM)
+    tp, key_value = tp_mesh.size(), None
+    kv_heads = _config_value(model.config, "num_key_value_heads")
+    if tp > kv_heads:
+        key_value = KeyValueHeadsParallel(kv_heads, _config_value(model.config, "head_dim", "attention_head_dim"))
     for block in blocks:
         kind = _block_kind(block)
-        styles = block_plan(kind, native=native, sequence_parallel=sequence_parallel, plan=plan)
+        styles = block_plan(kind, native=native, sequence_parallel=sequence_parallel, plan=plan, key_value=key_value)
         if styles:
             parallelize_module(block, tp_mesh, styles)
-    parallelize_module(model, tp_mesh, model_plan(model, sequence_parallel=sequence_parallel, plan=plan))
+        if kind == "attention" and plan == "default" and hasattr(block.mixer, "num_key_value_groups"):
+            # transformers' attention repeats each key/value head this many times to meet its query heads.
+            heads = _config_value(model.config, "num_attention_heads")
+            block.mixer.num_key_value_groups = (heads // tp) // max(kv_heads // tp, 1)
+    model_styles = model_plan(model, native=native, sequence_parallel=sequence_parallel, plan=plan)
+    parallelize_module(model, tp_mesh, model_styles)
     logger.info(
-        "tensor parallel: plan %r over %d ranks%s", plan, tp_mesh.size(), ", sequence parallel" if sequence_parallel
-        else ""
+        "tensor parallel: plan %r over %d ranks%s%s", plan, tp, ", sequence parallel" if sequence_parallel else "",
+        f", each of {kv_heads} key/value heads on {tp // kv_heads} ranks" if key_value else "",
     )
 
 
 def apply_context_parallel(blocks, cp_mesh: DeviceMesh) -> None:
     """Every Mamba and attention mixer runs its sequence mixing across the cp group."""
-    cp = context_parallel.ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+    cp = ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
     for block in blocks:
         if _block_kind(block) in ("mamba", "attention"):
             block.mixer.context_parallel = cp
@@ -284,66 +311,117 @@ def apply_context_parallel(blocks, cp_mesh: DeviceMesh) -> None:
 
 
 def apply_activation_checkpointing(container, blocks, mode: str, every: int) -> list[nn.Module]:
-    """Wrap blocks for non-reentrant recomputation; returns the (possibly wrapped) blocks."""
+    """Wrap blocks for non-reentrant recomputation (modes: distributed/activation_checkpoint.py);
+    returns the (possibly wrapped) blocks. `blocks` picks the Mamba and MLP blocks; `selective` keeps
+    the Mamba2 scan's outputs besides the matmuls and attention."""
     wrapped = []
     for i, block in enumerate(blocks):
-        kind = _block_kind(block)
-        if mode == "full" or (mode == "blocks" and kind in ("mlp", "mamba")) or (mode == "selective" and i % every == 0):
-            block = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        if is_checkpointed(mode, i, every, model_choice=_block_kind(block) in ("mlp", "mamba")):
+            block = checkpoint_wrap(block, mode, model_ops=SELECTIVE_AC_SAVED_OPS)
             _set_block(container, i, block)
         wrapped.append(block)
     return wrapped
 
 
-def _fp32_units(block: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
-    """(modules to shard as their own low-precision units, modules that must compute in fp32).
-
-    FSDP casts a unit's parameters to the policy's dtype, so parameters that must stay fp32 need a
-    unit of their own. `A_log`, `D` and `dt_bias` belong to the Mamba mixer itself, so the mixer's
-    projections and gated norm become separate units and the mixer unit keeps the fp32 rest (the
-    conv weights, read directly rather than through a module call, ride along in fp32). The MoE
-    router is a module of its own.
-    """
-    mixer = block.mixer
-    kind = _block_kind(block)
-    if kind == "mamba":
-        return [mixer.in_proj, mixer.norm, mixer.out_proj], [mixer]
-    if kind == "moe":
-        return [], [mixer.gate]
-    return [], []
+def apply_compile(blocks: list[nn.Module]) -> None:
+    """`torch.compile` each block in place (inside its checkpoint wrapper and, later, its FSDP unit)."""
+    for block in blocks:
+        block.compile()
+    logger.info("compiled %d blocks", len(blocks))
 
 
-def apply_fsdp(
-    model, container, blocks, inner_blocks, dp_mesh, mp_policy, offload_policy, reshard_after_forward
-) -> None:
-    low_precision = mp_policy is not None and mp_policy.param_dtype not in (None, torch.float32)
-    fp32_policy = MixedPrecisionPolicy(
-        param_dtype=torch.float32,
-        reduce_dtype=torch.float32,
-        cast_forward_inputs=False,
-    )
-    common = dict(mesh=dp_mesh, offload_policy=offload_policy or OffloadPolicy())
+# Parameters that compute in fp32 under a low-precision policy: the SSM decay, skip and step terms,
+# the conv the scan's inputs pass through (the mixers read its weight directly, so it must share
+# their unit) and the MoE router, whose rounding would change which experts are picked.
+FP32_PARAMS = ("mixer.A_log", "mixer.D", "mixer.dt_bias", "mixer.conv1d.weight", "mixer.conv1d.bias",
+               "mixer.gate.weight")
+
+
+def _computes_in_fp32(model: nn.Module) -> Callable[[str], bool]:
+    """The fp32 rule for names relative to a block, with the patterns a transformers model declares."""
+    declared = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) + tuple(
+        getattr(model, "_keep_in_fp32_modules", None) or ())
+
+    def rule(name: str) -> bool:
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        return name in FP32_PARAMS or any(pattern in name for pattern in declared)
+
+    return rule
+
+
+def apply_fsdp(model, blocks, dp_mesh, mp_policy, offload_policy, reshard_after_forward) -> None:
+    """FSDP units: each block (split by dtype where needed), the embedding, the head, then the root."""
     reshard = True if reshard_after_forward is None else reshard_after_forward
-    for block, inner in zip(blocks, inner_blocks):
-        if low_precision:
-            own, fp32 = _fp32_units(inner)
-            for module in own:
-                fully_shard(module, mp_policy=mp_policy, reshard_after_forward=reshard, **common)
-            for module in fp32:
-                fully_shard(module, mp_policy=fp32_policy, reshard_after_forward=reshard, **common)
-        fully_shard(block, mp_policy=mp_policy or MixedPrecisionPolicy(), reshard_after_forward=reshard, **common)
-    embed, _, head = _embedding_and_head(model)
-    for path in (embed, head):
-        fully_shard(model.get_submodule(path), mp_policy=mp_policy or MixedPrecisionPolicy(),
-                    reshard_after_forward=reshard, **common)
+    common = dict(mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy,
+                  keep_fp32=_computes_in_fp32(model))
+    for block in blocks:
+        shard_by_dtype(block, reshard_after_forward=reshard, **common)
+    embed_path, _, head_path = _embedding_and_head(model)
+    embedding, head = model.get_submodule(embed_path), model.get_submodule(head_path)
+    if head.weight is embedding.weight:
+        logger.info("tied embedding and head: one unit, the root's")
+    else:
+        shard_by_dtype(embedding, reshard_after_forward=reshard, **common)
+        # Backward needs the head's weight right after forward: keep it gathered unless told otherwise.
+        shard_by_dtype(head, reshard_after_forward=bool(reshard_after_forward), **common)
     # The root's parameters (the final norm) are needed again at once by the head: keep them gathered.
-    fully_shard(model, mp_policy=mp_policy or MixedPrecisionPolicy(), reshard_after_forward=False, **common)
-    # The loss is normalised by the global token count, so data-parallel gradients are summed, not
-    # averaged. A plain SUM (not NCCL's pre-multiplied sum) also runs on gloo.
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
+    shard_by_dtype(model, reshard_after_forward=False, **common)
+
+
+# Arguments already named in the log as ignored (once per process).
+_IGNORED_LOGGED: set[str] = set()
+# Scopes (AutoModel's names) that include a language model's decoder blocks.
+_LANGUAGE_SCOPES = {"all", "language"}
+
+
+@dataclass(frozen=True)
+class CallerOptions:
+    """Keyword arguments NeMo AutoModel's callers pass to `_apply` that mean something here."""
+
+    compile: bool = False
+    prefetch: bool = False
+    forward_prefetch_depth: int = 1
+    backward_prefetch_depth: int = 1
+    ac_scope: tuple[str, ...] = ("all",)
+
+    _NAMES = {
+        "enable_compile": "compile",
+        "enable_fsdp2_prefetch": "prefetch",
+        "fsdp2_forward_prefetch_depth": "forward_prefetch_depth",
+        "fsdp2_backward_prefetch_depth": "backward_prefetch_depth",
+        "activation_checkpointing_scope": "ac_scope",
+    }
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict) -> CallerOptions:
+        """Honours the arguments it knows; every other one is accepted, so that any caller of the base
+        class can call `_apply`, and named once in the log as ignored."""
+        known = {cls._NAMES[k]: v for k, v in kwargs.items() if k in cls._NAMES and v is not None}
+        for name in sorted(set(kwargs) - set(cls._NAMES) - _IGNORED_LOGGED):
+            _IGNORED_LOGGED.add(name)
+            logger.warning("parallelizer: argument %s=%r has no effect on Nemotron-H; ignored", name, kwargs[name])
+        if "ac_scope" in known:
+            scope = known["ac_scope"]
+            known["ac_scope"] = (scope,) if isinstance(scope, str) else tuple(scope)
+        return cls(**known)
+
+
+def activation_checkpointing_spec(value, scope: tuple[str, ...]) -> ActivationCheckpointing:
+    """`activation_checkpointing` as callers pass it: a bool (True: the model's choice of blocks), a
+    mode name ("full", "selective", ...) or an `ActivationCheckpointing`."""
+    if isinstance(value, ActivationCheckpointing):
+        spec = value
+    elif isinstance(value, bool) or value is None:
+        spec = ActivationCheckpointing("blocks" if value else "none")
+    else:
+        try:
+            spec = ActivationCheckpointing(value)
+        except ParallelConfigError as err:
+            raise ParallelConfigError(f"activation_checkpointing={value!r}: {err}") from None
+    if spec.mode != "none" and not _LANGUAGE_SCOPES & {s.lower() for s in scope}:
+        logger.info("activation checkpointing scope %s holds no decoder blocks: none checkpointed", list(scope))
+        return ActivationCheckpointing("none")
+    return spec
 
 
 class NemotronHModelParallelizer(ModelParallelizer):
@@ -365,40 +443,46 @@ class NemotronHModelParallelizer(ModelParallelizer):
         reapply_trainability: Callable[[nn.Module], None] | None = None,
         **kwargs,
     ) -> nn.Module:
-        """Apply every requested parallelism to a Nemotron-H model."""
-        names = device_mesh.mesh_dim_names or ()
-        tp = device_mesh[tp_mesh_name].size() if tp_mesh_name in names else 1
-        cp = device_mesh["cp"].size() if "cp" in names else 1
-        ac_mode = kwargs.pop("ac_mode", "blocks" if activation_checkpointing else "none")
-        ac_every = kwargs.pop("ac_every", 2)
-        if kwargs:
-            raise TypeError(f"unexpected arguments: {sorted(kwargs)}")
+        """Apply every requested parallelism to a Nemotron-H model.
+
+        Order: tensor (+ sequence) parallel, context parallel, activation checkpointing, compile, FSDP.
+        FSDP averages gradients over the data-parallel ranks (its default); a caller whose loss is
+        already normalised over the whole global batch calls `sum_data_parallel_gradients` after this.
+        `activation_checkpointing` also takes a mode name or an `ActivationCheckpointing`; keyword
+        arguments of NeMo AutoModel's callers are honoured where they apply (`CallerOptions`)."""
+        options = CallerOptions.from_kwargs(kwargs)
+        ac = activation_checkpointing_spec(activation_checkpointing, options.ac_scope)
+        tp_mesh, cp_mesh = submesh(device_mesh, tp_mesh_name), submesh(device_mesh, "cp")
+        tp = tp_mesh.size() if tp_mesh is not None else 1
+        cp = cp_mesh.size() if cp_mesh is not None else 1
 
         # Every check runs before anything is sharded, identically on every rank.
         plan = check_tensor_parallel(model, tp, tp_shard_plan, sequence_parallel)
-        if sequence_parallel and tp == 1:
-            raise ParallelConfigError(
-                "mesh.sequence_parallel=true needs mesh.tp>1: the sequence is sharded across tensor-parallel ranks."
-            )
+        if problem := check_sequence_parallel(sequence_parallel, tp):
+            raise ParallelConfigError(problem)
         if cp > 1:
             check_context_parallel(model, tp, cp)
+        try:
+            dp_mesh = data_parallel_mesh(device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name)
+        except MeshError as err:
+            raise ParallelConfigError(str(err)) from None
         container, blocks = _decoder_blocks(model)
 
         if tp > 1:
-            apply_tensor_parallel(model, blocks, device_mesh[tp_mesh_name], plan, sequence_parallel)
+            apply_tensor_parallel(model, blocks, tp_mesh, plan, sequence_parallel)
         if cp > 1:
-            apply_context_parallel(blocks, device_mesh["cp"])
+            apply_context_parallel(blocks, cp_mesh)
+        _no_cache_in_training(model, container)
         inner_blocks = list(blocks)
-        if ac_mode != "none":
-            blocks = apply_activation_checkpointing(container, blocks, ac_mode, ac_every)
+        if ac.mode != "none":
+            blocks = apply_activation_checkpointing(container, blocks, ac.mode, ac.every)
+        if options.compile:
+            apply_compile(inner_blocks)
         if reapply_trainability is not None:
             reapply_trainability(model)
-
-        if dp_replicate_mesh_name in names and device_mesh[dp_replicate_mesh_name].size() > 1:
-            dp_mesh = device_mesh[dp_replicate_mesh_name, dp_shard_cp_mesh_name]  # HSDP
-        else:
-            dp_mesh = device_mesh[dp_shard_cp_mesh_name]
-        apply_fsdp(model, container, blocks, inner_blocks, dp_mesh, mp_policy, offload_policy, reshard_after_forward)
+        apply_fsdp(model, blocks, dp_mesh, mp_policy, offload_policy, reshard_after_forward)
+        if options.prefetch:
+            set_prefetch(blocks, options.forward_prefetch_depth, options.backward_prefetch_depth)
         return model
 
 
