@@ -25,6 +25,7 @@ from nemotron_recipe.models.nemotron_v3.config import ModelConfigError, Nemotron
 
 WANDB_MODES = ("disabled", "offline", "online")
 DEVICES = ("auto", "cpu", "cuda")
+NONFINITE_MODES = ("stop", "skip")
 
 # Shipped with the package, next to the data layer that documents their format.
 ASSETS_DIR = Path(__file__).resolve().parent / "data" / "assets"
@@ -195,6 +196,11 @@ class TrainerConfig:
     # Tokens per chunk of the lm_head + cross-entropy, so the [tokens, vocab] logits never exist
     # at once; 0 or None: off. A tensor-parallel head keeps the plain (vocab-sharded) loss.
     loss_chunk_size: Optional[int] = None
+    # A step whose loss or gradient norm is not finite is never taken nor saved. `stop`: the run
+    # ends at once (exit 1) naming the step and the last good checkpoint; `skip`: the step's batch
+    # is dropped and the run goes on, until more than `max_skipped_steps` steps were skipped.
+    nonfinite: str = "stop"
+    max_skipped_steps: int = 10
 
 
 @dataclass
@@ -336,6 +342,8 @@ def validate_config(cfg: Any) -> tuple[NemotronHConfig, ParallelPlan]:
             "Fix: set trainer.seq_len to at least 2, e.g. 128."
         )
     _check_choice(errors, "trainer.device", t.device, DEVICES)
+    _check_choice(errors, "trainer.nonfinite", t.nonfinite, NONFINITE_MODES)
+    positive("trainer.max_skipped_steps", t.max_skipped_steps, allow_zero=True)
 
     positive("optim.lr", o.lr)
     positive("optim.weight_decay", o.weight_decay, allow_zero=True)

@@ -14,10 +14,13 @@ from nemotron_recipe.data import DataError
 from nemotron_recipe.distributed import MeshError, ParallelConfigError
 from nemotron_recipe.distributed.env import DistributedSetupError
 from nemotron_recipe.models.nemotron_v3 import CheckpointError, ModelConfigError
+from nemotron_recipe.training.nonfinite import NonFiniteError
 
-# Mistakes in the settings or inputs get their message alone; a traceback would only bury it.
+# Mistakes in the settings or inputs, and a diverged run, get their message alone; a traceback would
+# only bury it.
 _USER_ERRORS = (
-    ConfigError, ModelConfigError, CheckpointError, DataError, DistributedSetupError, MeshError, ParallelConfigError
+    ConfigError, ModelConfigError, CheckpointError, DataError, DistributedSetupError, MeshError, ParallelConfigError,
+    NonFiniteError,
 )
 
 

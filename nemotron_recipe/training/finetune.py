@@ -43,6 +43,7 @@ from nemotron_recipe.training.cpu_memory import keep_freed_memory
 from nemotron_recipe.training.hf_io import build_meta_model, export_run_checkpoint, load_hf_sharded
 from nemotron_recipe.training.logging import MetricsWriter, TrainMetrics, earlier_val_losses, print_summary
 from nemotron_recipe.training.loss import IGNORE_INDEX, forward_loss_sum, local_value
+from nemotron_recipe.training.nonfinite import NonFiniteGuard
 from nemotron_recipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from nemotron_recipe.training.preemption import StopConditions
 from nemotron_recipe.training.setup import DataLayout, data_layout, parallelize_model
@@ -152,6 +153,7 @@ class StepResult:
     trained_tokens: int  # the step's trained tokens over every rank: the loss's denominator
     lr: float  # the LR the step was taken with
     grad_norm: torch.Tensor  # the total gradient norm, before clipping
+    skipped: bool = False  # not taken: its loss or gradient norm was not finite (trainer.nonfinite=skip)
 
 
 class Trainer:
@@ -281,6 +283,7 @@ class Trainer:
         # stop_at_step ends the run early but leaves the LR schedule to max_steps.
         self.end_step = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
         self.stop = StopConditions(max_minutes=t.max_minutes, started=self.started, device=self.env.device)
+        self.guard = NonFiniteGuard(t.nonfinite, t.max_skipped_steps, self.env.device)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, Any]:
@@ -318,7 +321,11 @@ class Trainer:
 
     def train_step(self, step: int) -> StepResult:
         """One optimizer step on the global batch of `step` (0-based), loss normalised as the module
-        docstring says: every micro-batch's loss sum is divided by the step's global token count."""
+        docstring says: every micro-batch's loss sum is divided by the step's global token count.
+
+        A step whose loss or gradient norm is not finite on any rank is not taken (`NonFiniteGuard`):
+        the run stops, or under `trainer.nonfinite=skip` the batch is dropped and the LR schedule
+        moves on, so the schedule and the data position stay functions of the step."""
         micro_batches = [self._collate(indices) for indices in self.batch_plan.indices_for_step(step)]
         trained_tokens = self._global_trained_tokens(micro_batches)
         denominator = max(trained_tokens, 1)
@@ -327,10 +334,19 @@ class Trainer:
             loss_sum += self._forward_backward(batch, denominator)
         grad_norm = clip_grad_norm_(self.params, self.cfg.trainer.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        finite = self.guard.step_is_finite(loss_sum, grad_norm)
+        if finite:
+            self.optimizer.step()
+        else:
+            self.guard.reject(step + 1, grad_norm.item(), self._last_good_checkpoint())
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum=loss_sum, trained_tokens=trained_tokens, lr=lr, grad_norm=grad_norm)
+        return StepResult(loss_sum=loss_sum, trained_tokens=trained_tokens, lr=lr, grad_norm=grad_norm,
+                          skipped=not finite)
+
+    def _last_good_checkpoint(self) -> Path | None:
+        """The newest checkpoint this run saved or resumed from: every one of them is finite."""
+        return self.checkpointer.last_saved or self.checkpointer.resume_from
 
     def _collate(self, indices: Any) -> dict[str, torch.Tensor]:
         """The micro-batch of the examples at `indices`, cut to this rank's part of the sequence."""
@@ -358,11 +374,12 @@ class Trainer:
 
     def log(self, result: StepResult) -> None:
         """Counts the step just done and writes its metrics row when one is due (the loss is summed
-        over ranks for those steps only), then moves the progress bar."""
+        over ranks for those steps only, and every skipped step gets one), then moves the progress bar."""
         self.metrics.record(result.trained_tokens)
-        if self.metrics.due(self.step):
+        if self.metrics.due(self.step) or result.skipped:
             loss = _all_reduce_sum(result.loss_sum, self.layout.token_group) / max(result.trained_tokens, 1)
-            self.metrics.log(self.step, loss=loss.item(), lr=result.lr, grad_norm=result.grad_norm.item())
+            self.metrics.log(self.step, loss=loss.item(), lr=result.lr, grad_norm=result.grad_norm.item(),
+                             skipped=result.skipped)
         self.writer.advance()
 
     def evaluate(self) -> None:
@@ -378,8 +395,9 @@ class Trainer:
 
     def checkpoint(self, stopped: str | None) -> None:
         """Saves when the checkpoint schedule says so, and always before an early stop: the next run
-        resumes from it."""
+        resumes from it. Parameters holding a non-finite value are never saved."""
         if stopped or self.checkpointer.due(self.step, self.cfg.trainer.max_steps):
+            self.guard.check_parameters(self.model, self.step, self._last_good_checkpoint())
             self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler)
 
     def _finish(self) -> str | None:
@@ -400,6 +418,7 @@ class Trainer:
             "resumed_from": self.start_step or None,
             "checkpoint": None if last_saved is None else str(last_saved),
             "hf_export": hf_dir,
+            "skipped_steps": self.guard.skipped,
             **self.validator.summary(),
             **self.metrics.summary(train_time),
             "wall_time_s": time.perf_counter() - self.started,

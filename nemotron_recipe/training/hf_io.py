@@ -195,8 +195,17 @@ def load_checkpoint_model(checkpoint: str | Path) -> tuple[NemotronHForCausalLM,
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Write a training checkpoint as a consolidated Hugging Face directory; returns it."""
+    """Write a training checkpoint as a consolidated Hugging Face directory; returns it.
+
+    A checkpoint holding non-finite values (saved by a diverged run of an older version) is refused
+    before anything is written."""
     model, meta, path = load_checkpoint_model(checkpoint)
+    bad = [name for name, t in model.state_dict().items() if t.is_floating_point() and not bool(t.isfinite().all())]
+    if bad:
+        raise CheckpointError(
+            f"{path}: non-finite values in {bad[:6]}{' ...' if len(bad) > 6 else ''}; the run had diverged when it "
+            "saved this checkpoint. Fix: export an earlier checkpoint."
+        )
     out = Path(out_dir).expanduser()
     model.save_pretrained(str(out))
     tokenizer = meta.get("tokenizer")

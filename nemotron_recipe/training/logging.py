@@ -152,9 +152,11 @@ class TrainMetrics:
     def due(self, step: int) -> bool:
         return step == 1 or step % self.log_every == 0 or step == self.max_steps
 
-    def log(self, step: int, *, loss: float, lr: float, grad_norm: float) -> None:
-        """The row of `step`; its throughput covers the steps since the previous row."""
-        self.last_loss = loss
+    def log(self, step: int, *, loss: float, lr: float, grad_norm: float, skipped: bool = False) -> None:
+        """The row of `step`; its throughput covers the steps since the previous row. A step that was
+        not taken (non-finite, `trainer.nonfinite=skip`) is marked `"skipped": true`."""
+        if not skipped:  # the summary's final loss is that of a step that was taken
+            self.last_loss = loss
         now = time.perf_counter()
         window_s = max(now - self.window_start, 1e-9)
         self.writer.log_train({
@@ -165,6 +167,7 @@ class TrainMetrics:
             "tokens_per_s": self.window_steps * self.tokens_per_step / window_s,
             "trained_tokens_per_s": self.window_trained / window_s,
             "elapsed_s": now - self.started,
+            **({"skipped": True} if skipped else {}),
         })
         self.window_start, self.window_steps, self.window_trained = now, 0, 0
 

@@ -1,0 +1,121 @@
+"""Finished work is never lost: diverged steps are neither taken nor saved, and a damaged or
+diverged checkpoint is refused by name before anything is written."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from nemotron_recipe.config import ConfigError
+from nemotron_recipe.models.nemotron_v3 import PRESETS, CheckpointError, NemotronHForCausalLM
+from nemotron_recipe.training.checkpoint import complete_checkpoints
+from nemotron_recipe.training.finetune import Trainer, run
+from nemotron_recipe.training.hf_io import export_hf, load_checkpoint_model
+from nemotron_recipe.training.nonfinite import NonFiniteError, NonFiniteGuard
+
+from helpers import REPO, RUN_BASE, compose_run, metrics_rows
+
+SHORT = ["trainer.val_every=0", "optim.warmup_steps=0"]
+# lr=100 from the first step: step 1 is finite, step 2's loss is NaN.
+DIVERGING = [*SHORT, "optim.lr=100", "trainer.max_steps=8"]
+
+
+def cli(module: str, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def all_finite(checkpoint: Path) -> bool:
+    model, _, _ = load_checkpoint_model(checkpoint)
+    return all(bool(t.isfinite().all()) for t in model.state_dict().values() if t.is_floating_point())
+
+
+def poison_step(monkeypatch: pytest.MonkeyPatch, steps: set[int]) -> None:
+    """Makes the loss and the gradients of the given steps (1-based) NaN."""
+    original = Trainer._forward_backward
+
+    def forward_backward(self: Trainer, batch: dict, denominator: int) -> torch.Tensor:
+        loss = original(self, batch, denominator)
+        if self.step + 1 not in steps:  # self.step counts the steps done before this one
+            return loss
+        next(p for p in self.params if p.grad is not None).grad.fill_(float("nan"))
+        return torch.full_like(loss, float("nan"))
+
+    monkeypatch.setattr(Trainer, "_forward_backward", forward_backward)
+
+
+# ---------------------------------------------------------------------------------------- non-finite
+def test_nonfinite_stop_exits_1_naming_the_step_and_keeps_every_finite_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    proc = cli("recipes.finetune", *RUN_BASE, *DIVERGING, "checkpoint.every=1", "checkpoint.keep=2",
+               f"hydra.run.dir={out}")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    error = proc.stderr[proc.stderr.index("Error:"):]
+    for needle in ("step 2:", "not finite", "last good checkpoint", "step_000001", "trainer.nonfinite=skip"):
+        assert needle in error, error
+    assert [s for s, _ in complete_checkpoints(out / "checkpoints")] == [1]
+    assert all_finite(out / "checkpoints" / "step_000001")
+
+
+def test_nonfinite_skip_drops_the_step_counts_it_and_stops_past_the_limit(tmp_path, monkeypatch):
+    poison_step(monkeypatch, {2})
+    summary = run(compose_run(tmp_path / "skip", *SHORT, "trainer.max_steps=4", "trainer.nonfinite=skip"))
+    assert summary["steps"] == 4 and summary["skipped_steps"] == 1
+    assert math.isfinite(summary["final_loss"])
+    rows = {r["step"]: r for r in metrics_rows(tmp_path / "skip") if "loss" in r}
+    assert rows[2].get("skipped") is True and rows[2]["loss"] is None
+    assert not any(rows[s].get("skipped") for s in (1, 3, 4))
+    assert all_finite(tmp_path / "skip" / "checkpoints" / "step_000004")
+    monkeypatch.undo()
+
+    # Every step from 2 on diverges: the third skip is one more than allowed.
+    with pytest.raises(NonFiniteError) as info:
+        run(compose_run(tmp_path / "limit", *RUN_BASE, *DIVERGING, "trainer.nonfinite=skip",
+                        "trainer.max_skipped_steps=2", "checkpoint.every=1"))
+    assert "step 4:" in str(info.value) and "trainer.max_skipped_steps=2" in str(info.value)
+    # Skipped steps leave the weights as they were: the checkpoints after them are finite too.
+    assert [s for s, _ in complete_checkpoints(tmp_path / "limit" / "checkpoints")] == [2, 3]
+    assert all_finite(tmp_path / "limit" / "checkpoints" / "step_000003")
+
+
+def test_parameters_holding_nan_are_never_saved():
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(PRESETS["tiny"])
+    guard = NonFiniteGuard("stop", 0, torch.device("cpu"))
+    guard.check_parameters(model, 3, None)
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("inf")
+    with pytest.raises(NonFiniteError, match=r"step 3: parameters \['lm_head.weight'\]"):
+        guard.check_parameters(model, 3, Path("ckpt/step_000002"))
+
+
+def test_export_refuses_a_checkpoint_holding_nan(tmp_path):
+    run(compose_run(tmp_path / "run", *SHORT, "trainer.max_steps=1"))
+    good = tmp_path / "run" / "checkpoints" / "step_000001"
+    model, _, _ = load_checkpoint_model(good)
+    state = model.state_dict()
+    state["model.norm_f.weight"][3] = float("nan")
+    bad = tmp_path / "bad" / "step_000001"
+    dcp.save({"model": state}, checkpoint_id=str(bad), no_dist=True)
+    shutil.copy(good / "meta.json", bad / "meta.json")
+    with pytest.raises(CheckpointError, match=r"non-finite values in \['model.norm_f.weight'\]") as info:
+        export_hf(bad, tmp_path / "hf")
+    assert str(bad) in str(info.value)
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("override, needle", [("trainer.nonfinite=ignore", "trainer.nonfinite='ignore'"),
+                                              ("trainer.max_skipped_steps=-1", "trainer.max_skipped_steps=-1")])
+def test_nonfinite_settings_are_checked(tmp_path, override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        run(compose_run(tmp_path, override))
+    assert not (tmp_path / "metrics.jsonl").exists()
