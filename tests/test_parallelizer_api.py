@@ -172,3 +172,12 @@ def test_readme_example_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     losses = [float(line.rsplit(" ", 1)[1]) for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_mesh_without_a_data_parallel_dim_is_a_clear_error():
+    from nemotron_recipe.distributed import ParallelConfigError
+
+    with distributed("cpu"), pytest.raises(ParallelConfigError, match="add a 'dp_shard' dim"):
+        PARALLELIZER._apply(_native(), init_device_mesh("cpu", (1,), mesh_dim_names=("tp",)))
+    with distributed("cpu"):  # a 1-D mesh of another name is the data-parallel one
+        PARALLELIZER._apply(_native(), init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)))

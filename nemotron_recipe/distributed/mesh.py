@@ -21,25 +21,27 @@ def submesh(mesh: DeviceMesh, name: str) -> DeviceMesh | None:
     return mesh._get_root_mesh()._flatten_mapping.get(name)
 
 
-def data_parallel_mesh(mesh: DeviceMesh, replicate_name: str, shard_name: str) -> DeviceMesh:
+def data_parallel_mesh(
+    mesh: DeviceMesh, replicate_name: str, shard_name: str, model_parallel: tuple[str, ...] = ("tp", "cp")
+) -> DeviceMesh:
     """The mesh FSDP shards over: 1-D `shard_name`, or 2-D (replicate, shard) for HSDP.
 
     `shard_name` (usually the flattened "dp_shard_cp") may be a dim, a flattened dim, or missing: then
     "dp_shard" and "cp" are flattened here, or "dp_shard" alone is used; a 1-D mesh of another name
-    is taken whole."""
+    than the `model_parallel` dims is taken whole."""
     names = mesh.mesh_dim_names or ()
     shard = submesh(mesh, shard_name)
     if shard is None and {"dp_shard", "cp"} <= set(names):
         shard = mesh["dp_shard", "cp"]._flatten(shard_name)
     if shard is None:
         shard = submesh(mesh, "dp_shard")
-    if shard is None and mesh.ndim == 1:
+    if shard is None and mesh.ndim == 1 and not set(names) & set(model_parallel):
         shard = mesh
     if shard is None:
         raise MeshError(
             f"device mesh with dims {names}: no data-parallel dim {shard_name!r}, no 'dp_shard' to derive it from. "
-            f"Fix: name the data-parallel dim 'dp_shard' (or flatten ('dp_shard', 'cp') to {shard_name!r}), "
-            "or pass dp_shard_cp_mesh_name=<its name>."
+            f"Fix: add a 'dp_shard' dim (size 1 is fine, e.g. mesh_dim_names=('dp_shard', 'tp')), flatten "
+            f"('dp_shard', 'cp') to {shard_name!r}, or pass dp_shard_cp_mesh_name=<its name>."
         )
     replicate = submesh(mesh, replicate_name)
     if replicate is None or replicate.size() == 1:

@@ -463,7 +463,9 @@ class NemotronHModelParallelizer(ModelParallelizer):
         if cp > 1:
             check_context_parallel(model, tp, cp)
         try:
-            dp_mesh = data_parallel_mesh(device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name)
+            dp_mesh = data_parallel_mesh(
+                device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name, model_parallel=(tp_mesh_name, "cp")
+            )
         except MeshError as err:
             raise ParallelConfigError(str(err)) from None
         container, blocks = _decoder_blocks(model)
