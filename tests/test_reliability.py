@@ -3,11 +3,15 @@ diverged checkpoint is refused by name before anything is written."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +24,7 @@ from nemotron_recipe.training.checkpoint import complete_checkpoints
 from nemotron_recipe.training.finetune import Trainer, run
 from nemotron_recipe.training.hf_io import export_hf, load_checkpoint_model
 from nemotron_recipe.training.nonfinite import NonFiniteError, NonFiniteGuard
+from nemotron_recipe.training.preemption import StopConditions
 
 from helpers import REPO, RUN_BASE, compose_run, metrics_rows
 
@@ -98,9 +103,16 @@ def test_parameters_holding_nan_are_never_saved():
         guard.check_parameters(model, 3, Path("ckpt/step_000002"))
 
 
-def test_export_refuses_a_checkpoint_holding_nan(tmp_path):
-    run(compose_run(tmp_path / "run", *SHORT, "trainer.max_steps=1"))
-    good = tmp_path / "run" / "checkpoints" / "step_000001"
+@pytest.fixture(scope="module")
+def one_step(tmp_path_factory) -> Path:
+    """The checkpoint of a one-step run."""
+    run_dir = tmp_path_factory.mktemp("one_step")
+    run(compose_run(run_dir, *SHORT, "trainer.max_steps=1"))
+    return run_dir / "checkpoints" / "step_000001"
+
+
+def test_export_refuses_a_checkpoint_holding_nan(tmp_path, one_step):
+    good = one_step
     model, _, _ = load_checkpoint_model(good)
     state = model.state_dict()
     state["model.norm_f.weight"][3] = float("nan")
@@ -119,3 +131,83 @@ def test_nonfinite_settings_are_checked(tmp_path, override, needle):
     with pytest.raises(ConfigError, match=needle):
         run(compose_run(tmp_path, override))
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------------------------------- stops
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in metrics_rows(run_dir) if "loss" in r}
+
+
+def test_ctrl_c_saves_and_the_resumed_run_repeats_the_uninterrupted_losses(tmp_path):
+    common = [*SHORT, "trainer.max_steps=20", "optim.warmup_steps=4"]
+    before = signal.getsignal(signal.SIGINT)
+
+    def interrupt_when_training() -> None:
+        while not (tmp_path / "split" / "metrics.jsonl").is_file() or '"loss"' not in (
+                tmp_path / "split" / "metrics.jsonl").read_text():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_when_training, daemon=True).start()
+    summary = run(compose_run(tmp_path / "split", *common))
+    assert summary["stopped"] == "signal" and summary["stop_signal"] == "SIGINT" and summary["steps"] < 20
+    assert signal.getsignal(signal.SIGINT) == before
+    assert [s for s, _ in complete_checkpoints(tmp_path / "split" / "checkpoints")] == [summary["steps"]]
+
+    resumed = run(compose_run(tmp_path / "split", *common))
+    assert resumed["resumed_from"] == summary["steps"] and resumed["steps"] == 20
+    run(compose_run(tmp_path / "straight", *common))
+    assert losses(tmp_path / "split") == pytest.approx(losses(tmp_path / "straight"), rel=1e-6)
+
+
+def test_a_second_ctrl_c_aborts_but_torchruns_forwarded_copy_does_not(monkeypatch):
+    stop = StopConditions(max_minutes=None, started=time.perf_counter(), device=torch.device("cpu"))
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # within the window: torchrun's copy of the same Ctrl-C
+        assert stop.poll() == "signal" and stop.received == "SIGINT"
+        monkeypatch.setattr(StopConditions, "REPEAT_WINDOW_S", 0.0)
+        with pytest.raises(KeyboardInterrupt, match="second Ctrl-C"):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    finally:
+        stop.restore()
+
+
+def test_resuming_with_max_steps_at_or_below_the_checkpoint_step_is_refused(tmp_path):
+    run(compose_run(tmp_path, *SHORT, "trainer.max_steps=2"))
+    written = (tmp_path / "metrics.jsonl").read_text()
+    for max_steps in (2, 1):
+        with pytest.raises(CheckpointError) as info:
+            run(compose_run(tmp_path, *SHORT, f"trainer.max_steps={max_steps}"))
+        for needle in ("step_000002", "saved at step 2", f"trainer.max_steps={max_steps}", "above 2"):
+            assert needle in str(info.value)
+    assert (tmp_path / "metrics.jsonl").read_text() == written
+
+
+@pytest.mark.distributed
+def test_ctrl_c_of_a_torchrun_group_saves_a_complete_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    # Its own process group, as a terminal gives a launch: Ctrl-C reaches torchrun and every rank.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "recipes.finetune", *RUN_BASE, *SHORT, "trainer.max_steps=1000", f"hydra.run.dir={out}"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics.jsonl").is_file() and '"loss"' in (out / "metrics.jsonl").read_text()):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"] == "signal" and summary["stop_signal"] == "SIGINT", err[-3000:]
+    (step, path), = complete_checkpoints(out / "checkpoints")
+    assert step == summary["steps"] and json.loads((path / "meta.json").read_text())["world_size"] == 2
+

@@ -207,6 +207,7 @@ class Checkpointer:
         c = cfg.checkpoint
         self.root = Path(c.dir).expanduser() if c.dir else run_dir / "checkpoints"
         self.every, self.keep = c.every, c.keep
+        self.max_steps = cfg.trainer.max_steps
         # An export reads the final checkpoint, so asking for one implies saving it.
         self.save_final = c.save_final or c.export_hf
         self.rank, self.world_size, self.device = rank, world_size, device
@@ -271,6 +272,12 @@ class Checkpointer:
         meta = read_meta(path)
         check_model_config(path, meta, model_config)
         read_dcp_metadata(path)
+        if meta["step"] >= self.max_steps:
+            raise CheckpointError(
+                f"{path}: saved at step {meta['step']}, and trainer.max_steps={self.max_steps} leaves no step to "
+                f"train (a resumed run continues up to trainer.max_steps). Fix: set trainer.max_steps above "
+                f"{meta['step']} to train further, or start afresh with checkpoint.resume=none and a new checkpoint.dir."
+            )
         return str(path), meta
 
     # ------------------------------------------------------------------ load

@@ -1,9 +1,12 @@
-"""Ending a run early but cleanly: on SIGTERM/SIGUSR1 or when `trainer.max_minutes` runs out.
+"""Ending a run early but cleanly: on SIGTERM/SIGUSR1/SIGINT or when `trainer.max_minutes` runs out.
 
 A signal only sets a flag; the training loop polls at each step boundary, where the model and
 optimizer are consistent, then saves a checkpoint and returns normally (exit code 0). Ranks can
 receive a signal at different moments, or only some of them receive it, and their clocks differ,
 so the poll is an all-reduce: every rank stops after the same step.
+
+Ctrl-C (SIGINT) saves like SIGTERM; a second Ctrl-C aborts at once (KeyboardInterrupt), leaving
+the newest complete checkpoint as it was.
 """
 
 from __future__ import annotations
@@ -17,17 +20,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class StopConditions:
     """`install` before the training loop and `restore` after it: it owns the signal handlers meanwhile."""
+
+    # A Ctrl-C in a terminal reaches every process of the group, and torchrun then forwards its own
+    # SIGINT to the ranks: a SIGINT this soon after the first is that copy, not a second Ctrl-C.
+    REPEAT_WINDOW_S = 2.0
 
     def __init__(self, *, max_minutes: float | None, started: float, device: torch.device) -> None:
         self.deadline = None if max_minutes is None else started + 60.0 * max_minutes
         self.device = device
         self.received: str | None = None
         self._signum = 0
+        self._first_interrupt: float | None = None  # monotonic time of the first SIGINT
         self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
@@ -44,7 +52,14 @@ class StopConditions:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # Repeats are ignored: schedulers may signal the launcher and the ranks alike, and torchrun
-        # forwards its own copy, so one preemption can arrive twice.
+        # forwards its own copy, so one preemption can arrive twice. Only a user's second Ctrl-C,
+        # past the window of forwarded copies, means "stop now, without saving".
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._first_interrupt is None:
+                self._first_interrupt = now
+            elif now - self._first_interrupt >= self.REPEAT_WINDOW_S:
+                raise KeyboardInterrupt("second Ctrl-C: aborted without saving")
         if self._signum == 0:
             self._signum = signum
 
