@@ -233,6 +233,19 @@ def test_invalid_json_array_names_line(tmp_path, tok):
     assert f"{path}:3:" in str(info.value)
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_bad_utf8_names_its_line(tmp_path, tok, suffix):
+    # Far enough down the file that a block-decoding reader fails on an earlier line.
+    lines = [json.dumps({"prompt": f"Question {i}: " + "word " * 20, "response": "answer"}).encode() for i in range(400)]
+    lines[300] = lines[300].replace(b"answer", b"ans\xffwer")
+    path = tmp_path / f"bad{suffix}"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(DataError, match="not valid UTF-8") as info:
+        load_sft_examples(path, tok, seq_len=32)
+    column = lines[300].index(b"\xff") + 1
+    assert f"{path}:301: not valid UTF-8 (byte 0xff at byte {column} of the line" in str(info.value)
+
+
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_unknown_role_names_file_row_and_role(tmp_path, tok, fmt):
     bad = [{"role": "human", "content": "hi"}, {"role": "gpt", "content": "hello"}]

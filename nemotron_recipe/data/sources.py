@@ -242,19 +242,29 @@ def _no_rows(field_name: str, value: str, cols: Columns) -> DataError:
     )
 
 
+def _utf8_error(path: Path, line_no: int, line_start: int, e: UnicodeDecodeError) -> DataError:
+    """`e` decoding bytes whose line `line_no` starts at offset `line_start`."""
+    return DataError(
+        f"{path}:{line_no}: not valid UTF-8 (byte {e.object[e.start]:#04x} at byte {e.start - line_start + 1} of "
+        f"the line: {e.reason}). Fix: re-encode the file as UTF-8."
+    )
+
+
+def _decode_line(raw: bytes, path: Path, line_no: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _utf8_error(path, line_no, 0, e) from e
+
+
 def _check_jsonl(path: Path, cols: Columns) -> list[int]:
     """Check every line; returns the line number of each row (blank lines hold none)."""
     line_of_row: list[int] = []
-    with open(path, encoding="utf-8") as f:
-        line_no = 0
-        while True:
-            line_no += 1
-            try:
-                line = f.readline()
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}:{line_no}: not valid UTF-8 ({e}). Fix: re-encode the file as UTF-8.") from e
-            if not line:
-                break
+    # Read as bytes and decoded line by line: a text-mode reader decodes ahead in blocks, so its
+    # UnicodeDecodeError would surface on an earlier line than the one holding the bad byte.
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            line = _decode_line(raw, path, line_no)
             if not line.strip():
                 continue
             try:
@@ -271,10 +281,12 @@ def _check_jsonl(path: Path, cols: Columns) -> list[int]:
 
 def _check_json(path: Path, cols: Columns) -> list[str]:
     """Check every row of a JSON array (or of JSON Lines saved as .json); returns each row's location."""
+    data = path.read_bytes()
     try:
-        text = path.read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not valid UTF-8 ({e}). Fix: re-encode the file as UTF-8.") from e
+        line_no, line_start = data.count(b"\n", 0, e.start) + 1, data.rfind(b"\n", 0, e.start) + 1
+        raise _utf8_error(path, line_no, line_start, e) from e
     try:
         rows = json.loads(text)
     except json.JSONDecodeError as e:
