@@ -379,6 +379,13 @@ def validate_config(cfg: Any) -> tuple[NemotronHConfig, ParallelPlan]:
             "a run launched through Hydra. Fix: set run_dir explicitly."
         )
 
+    if cfg.model.pretrained:
+        from nemotron_recipe.training.hf_io import weight_file_problem
+
+        problem = weight_file_problem(Path(cfg.model.pretrained).expanduser())
+        if problem:
+            errors.append(f"model.pretrained={cfg.model.pretrained!r}: {problem}")
+
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     return build_model_config(cfg.model), plan

@@ -1,7 +1,8 @@
 """Export a training checkpoint to a Hugging Face directory: `python -m recipes.export CHECKPOINT OUT_DIR`.
 
 CHECKPOINT is a `step_N` directory, or a checkpoints/run directory (its newest complete
-checkpoint is taken). Runs in one process on CPU, whatever mesh wrote the checkpoint.
+checkpoint is taken). Runs in one process on CPU, whatever mesh wrote the checkpoint. OUT_DIR must be
+new or empty; `--overwrite` replaces an earlier export there (its weight files are deleted first).
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ from nemotron_recipe.models.nemotron_v3 import CheckpointError
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipes.export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="step_N checkpoint directory, or a directory holding them")
-    parser.add_argument("out_dir", help="where to write config.json, safetensors and the tokenizer")
+    parser.add_argument("out_dir", help="where to write config.json, safetensors and the tokenizer (new or empty)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="export into a non-empty OUT_DIR, deleting its old weight files first")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     from nemotron_recipe.training.hf_io import export_hf
 
     try:
-        out = export_hf(args.checkpoint, args.out_dir)
+        out = export_hf(args.checkpoint, args.out_dir, overwrite=args.overwrite)
     except CheckpointError as e:
         print(f"Error: {e}", file=sys.stderr)
         return 1

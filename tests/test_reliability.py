@@ -22,7 +22,13 @@ from nemotron_recipe.config import ConfigError
 from nemotron_recipe.models.nemotron_v3 import PRESETS, CheckpointError, NemotronHForCausalLM
 from nemotron_recipe.training.checkpoint import complete_checkpoints
 from nemotron_recipe.training.finetune import Trainer, run
-from nemotron_recipe.training.hf_io import export_hf, load_checkpoint_model
+from nemotron_recipe.training.hf_io import (
+    build_meta_model,
+    export_hf,
+    load_checkpoint_model,
+    load_hf_sharded,
+    weight_file_problem,
+)
 from nemotron_recipe.training.nonfinite import NonFiniteError, NonFiniteGuard
 from nemotron_recipe.training.preemption import StopConditions
 
@@ -211,3 +217,42 @@ def test_ctrl_c_of_a_torchrun_group_saves_a_complete_checkpoint(tmp_path):
     (step, path), = complete_checkpoints(out / "checkpoints")
     assert step == summary["steps"] and json.loads((path / "meta.json").read_text())["world_size"] == 2
 
+
+# ---------------------------------------------------------------------------------------- export
+def stale_sharded_export(out: Path) -> None:
+    """What an older sharded export leaves: an index and the shards it names."""
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"stale")
+    weight_map = {"model.embeddings.weight": "model-00001-of-00002.safetensors"}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_export_refuses_a_non_empty_dir_and_overwrite_replaces_the_old_model_files(tmp_path, one_step):
+    out = tmp_path / "hf"
+    out.mkdir()
+    stale_sharded_export(out)
+    with pytest.raises(CheckpointError, match="not empty") as info:
+        export_hf(one_step, out)
+    assert "--overwrite" in str(info.value)
+    assert sorted(p.name for p in out.iterdir()) == ["model-00001-of-00002.safetensors", "model.safetensors.index.json"]
+
+    proc = cli("recipes.export", str(one_step), str(out), "--overwrite")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (out / "model.safetensors.index.json").exists() and not (out / "model-00001-of-00002.safetensors").exists()
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+
+
+def test_pretrained_refuses_an_index_that_disagrees_with_the_single_file(tmp_path, one_step):
+    out = export_hf(one_step, tmp_path / "hf")
+    assert weight_file_problem(out) is None
+    index = {"metadata": {}, "weight_map": {"model.embeddings.weight": "model.safetensors"}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert weight_file_problem(out) is None  # an index of the single file agrees with it
+    stale_sharded_export(out)
+    with pytest.raises(ConfigError) as info:
+        run(compose_run(tmp_path / "run", *SHORT, "trainer.max_steps=1", f"model.pretrained={out}"))
+    for needle in (f"model.pretrained={str(out)!r}", "model.safetensors.index.json", "--overwrite"):
+        assert needle in str(info.value)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    model = build_meta_model(load_checkpoint_model(one_step)[0].config)
+    with pytest.raises(CheckpointError, match="holds both model.safetensors and"):
+        load_hf_sharded(model, str(out), "cpu")

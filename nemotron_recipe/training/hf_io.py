@@ -21,6 +21,7 @@ This module reads checkpoints through `checkpoint.py`; that module never imports
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,13 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from nemotron_recipe.models.nemotron_v3 import CheckpointError, ModelConfigError, NemotronHConfig, NemotronHForCausalLM
-from nemotron_recipe.models.nemotron_v3.checkpoint import mamba_conv_order, mamba_in_proj_order, safetensors_files
+from nemotron_recipe.models.nemotron_v3.checkpoint import (
+    SAFE_INDEX,
+    SAFE_SINGLE,
+    mamba_conv_order,
+    mamba_in_proj_order,
+    safetensors_files,
+)
 from nemotron_recipe.training.checkpoint import (
     Checkpointer,
     check_tensors,
@@ -42,6 +49,9 @@ from nemotron_recipe.training.checkpoint import (
 )
 
 log = logging.getLogger(__name__)
+
+# The weight files of a Hugging Face directory, which an export replaces as a whole.
+MODEL_FILE_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json")
 
 _MAMBA_ROWS = {"in_proj.weight": "in_proj", "in_proj.bias": "in_proj", "conv1d.weight": "conv", "conv1d.bias": "conv"}
 
@@ -72,6 +82,28 @@ def _runs(rows: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((r, r + 1))
     return runs
+
+
+def weight_file_problem(path: str | Path) -> str | None:
+    """Why the weights of Hugging Face directory `path` are ambiguous, or None.
+
+    A sharded index beside a single `model.safetensors` it does not name is what an export over an
+    older one leaves: this loader would read the index's files and transformers the single file,
+    so the two would train and serve different weights."""
+    index, single = Path(path) / SAFE_INDEX, Path(path) / SAFE_SINGLE
+    if not (index.is_file() and single.is_file()):
+        return None
+    try:
+        named = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{index}: unreadable index ({type(e).__name__}: {e})"
+    if named == {SAFE_SINGLE}:
+        return None
+    return (
+        f"{path}: holds both {SAFE_SINGLE} and {SAFE_INDEX} naming other files ({sorted(named)[:3]}), so which "
+        "weights load depends on the loader; one of them is left over from an earlier save. Fix: delete the "
+        "stale files, or export again with `python -m recipes.export CHECKPOINT OUT --overwrite`."
+    )
 
 
 class _SafetensorsIndex:
@@ -112,6 +144,9 @@ def load_hf_sharded(model: nn.Module, path: str, device: torch.device | str) -> 
     directory and what is missing, left over or of the wrong shape; the same on every rank.
     """
     cfg: NemotronHConfig = model.config
+    problem = weight_file_problem(path)
+    if problem:
+        raise CheckpointError(problem)
     model.to_empty(device=device)
     orders = {"in_proj": mamba_in_proj_order(cfg), "conv": mamba_conv_order(cfg)}
     # keep_vars: the parameters themselves (DTensors under FSDP/TP), named without wrapper prefixes.
@@ -194,11 +229,34 @@ def load_checkpoint_model(checkpoint: str | Path) -> tuple[NemotronHForCausalLM,
     return model, meta, path
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
+def _check_export_dir(out: Path, overwrite: bool) -> None:
+    """Refuses an `out` that is a file, or a non-empty directory unless `overwrite`."""
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out}: exists and is not a directory. Fix: export to a directory.")
+    existing = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if existing and not overwrite:
+        raise CheckpointError(
+            f"{out}: not empty ({existing[:6]}{' ...' if len(existing) > 6 else ''}); an export into it would leave "
+            "its older weight files beside the new ones. Fix: export to a new directory, or pass --overwrite to "
+            "replace the model files there."
+        )
+
+
+def _remove_model_files(out: Path) -> None:
+    """Deletes the weight files of an earlier export in `out`, so none of them outlives this one."""
+    for pattern in MODEL_FILE_PATTERNS:
+        for file in out.glob(pattern):
+            file.unlink()
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:
     """Write a training checkpoint as a consolidated Hugging Face directory; returns it.
 
-    A checkpoint holding non-finite values (saved by a diverged run of an older version) is refused
-    before anything is written."""
+    A non-empty `out_dir` is refused unless `overwrite`, which deletes its weight files (only once
+    the checkpoint has loaded) before the new ones are written. A checkpoint holding non-finite
+    values (saved by a diverged run of an older version) is refused before anything is written."""
+    out = Path(out_dir).expanduser()
+    _check_export_dir(out, overwrite)
     model, meta, path = load_checkpoint_model(checkpoint)
     bad = [name for name, t in model.state_dict().items() if t.is_floating_point() and not bool(t.isfinite().all())]
     if bad:
@@ -206,7 +264,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
             f"{path}: non-finite values in {bad[:6]}{' ...' if len(bad) > 6 else ''}; the run had diverged when it "
             "saved this checkpoint. Fix: export an earlier checkpoint."
         )
-    out = Path(out_dir).expanduser()
+    if out.is_dir():
+        _remove_model_files(out)
     model.save_pretrained(str(out))
     tokenizer = meta.get("tokenizer")
     if tokenizer and Path(tokenizer).exists():
@@ -222,8 +281,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
 
 def export_run_checkpoint(checkpointer: Checkpointer, out_dir: Path) -> Path:
     """Rank 0 exports this run's newest checkpoint (the last one saved, else the one resumed from) to
-    `out_dir` while the others wait; called on every rank, which all get the directory or the same error."""
+    `out_dir` while the others wait; called on every rank, which all get the directory or the same error.
+    The directory belongs to the run, so an earlier export of it there is replaced."""
     source = checkpointer.last_saved or checkpointer.resume_from
     if source is None:
         raise CheckpointError("no checkpoint was saved or resumed by this run, so there is nothing to export")
-    return Path(checkpointer.on_rank0(lambda: str(export_hf(source, out_dir))))
+    return Path(checkpointer.on_rank0(lambda: str(export_hf(source, out_dir, overwrite=True))))
