@@ -256,3 +256,37 @@ def test_pretrained_refuses_an_index_that_disagrees_with_the_single_file(tmp_pat
     model = build_meta_model(load_checkpoint_model(one_step)[0].config)
     with pytest.raises(CheckpointError, match="holds both model.safetensors and"):
         load_hf_sharded(model, str(out), "cpu")
+
+
+# ---------------------------------------------------------------------------------------- integrity
+def flip_byte(file: Path, at: int) -> None:
+    data = bytearray(file.read_bytes())
+    data[at] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_is_named_and_resume_auto_falls_back_to_the_intact_checkpoint(tmp_path, caplog):
+    common = [*SHORT, "trainer.max_steps=3", "checkpoint.every=1", "checkpoint.keep=0"]
+    run(compose_run(tmp_path / "straight", *common))
+    split = tmp_path / "split"
+    run(compose_run(split, *common, "trainer.stop_at_step=2"))
+    damaged = split / "checkpoints" / "step_000002"
+    meta = json.loads((damaged / "meta.json").read_text())
+    assert set(meta["files"]) == {p.name for p in damaged.iterdir() if p.name != "meta.json"}
+    data_file = damaged / "__0_0.distcp"
+    flip_byte(data_file, data_file.stat().st_size // 2)
+
+    for attempt in (lambda: export_hf(damaged, tmp_path / "hf"),
+                    lambda: run(compose_run(split, *common, f"checkpoint.resume={damaged}"))):
+        with pytest.raises(CheckpointError) as info:
+            attempt()
+        assert str(damaged) in str(info.value) and "__0_0.distcp" in str(info.value)
+        assert "checksum" in str(info.value)
+    assert not (tmp_path / "hf").exists()
+
+    with caplog.at_level("WARNING"):
+        summary = run(compose_run(split, *common))
+    assert summary["resumed_from"] == 1 and summary["steps"] == 3
+    assert any("skipping step_000002" in r.getMessage() and "__0_0.distcp" in r.getMessage() for r in caplog.records)
+    resumed = {r["step"]: r["loss"] for r in metrics_rows(split) if "loss" in r}  # the later rows win
+    assert resumed == pytest.approx(losses(tmp_path / "straight"), rel=1e-6)

@@ -4,12 +4,15 @@ Layout under `checkpoint.dir` (default `<run_dir>/checkpoints`):
 
     step_000010/
         .metadata, __<rank>_0.distcp   torch.distributed.checkpoint (DCP): model, optimizer, RNG
-        meta.json                       step, world size, mesh, model config, LR schedule, data
+        meta.json                       step, world size, mesh, model config, LR schedule, data,
+                                        and the size and CRC-32 of every other file
 
 Every rank writes its own shards into `step_000010.tmp-<id>/`. Once all ranks are done, rank 0
 writes meta.json and renames the directory to its final name. Readers trust only a final name
 holding meta.json, so a run killed mid-save leaves the previous checkpoint as the newest complete
-one, and the partial directory is removed at the next successful save.
+one, and the partial directory is removed at the next successful save. A checkpoint is verified
+against meta.json's checksums before it is loaded or exported, so a damaged file is named instead of
+loading silently; `resume=auto` then falls back to the newest checkpoint that verifies.
 
 Model and optimizer go through `get_state_dict`/`set_state_dict`: tensors are keyed by parameter
 names that do not depend on the mesh (activation-checkpoint wrappers are stripped, optimizer state
@@ -29,6 +32,7 @@ import re
 import shutil
 import time
 import uuid
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,6 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -108,6 +113,44 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
+def file_checksums(path: Path) -> dict[str, dict[str, int]]:
+    """Size and CRC-32 of every file of the checkpoint directory `path` but meta.json."""
+    sums = {}
+    for file in sorted(path.iterdir()):
+        if file.name == META or not file.is_file():
+            continue
+        crc = 0
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 24):
+                crc = zlib.crc32(chunk, crc)
+        sums[file.name] = {"size": file.stat().st_size, "crc32": crc}
+    return sums
+
+
+def verify_checksums(path: Path, meta: dict[str, Any]) -> None:
+    """Every file meta.json lists is there with its size and checksum; raises naming the first that is
+    not. Checkpoints written before checksums were recorded pass unchecked."""
+    listed = meta.get("files")
+    if listed is None:
+        return
+    for name, want in listed.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{path}: missing file {name}; the checkpoint is damaged.")
+        if file.stat().st_size != want["size"]:
+            raise CheckpointError(
+                f"{path}: file {name} holds {file.stat().st_size} bytes, meta.json recorded {want['size']}; "
+                "the checkpoint is damaged."
+            )
+    got = file_checksums(path)
+    for name, want in listed.items():
+        if got[name]["crc32"] != want["crc32"]:
+            raise CheckpointError(
+                f"{path}: file {name} does not match its checksum in meta.json; the checkpoint is damaged "
+                "(resume an earlier checkpoint)."
+            )
+
+
 def check_model_config(path: Path, meta: dict[str, Any], model_config: NemotronHConfig) -> None:
     """Refuse a checkpoint of another model before any tensor is read."""
     saved = meta["model"]
@@ -128,7 +171,7 @@ def read_dcp_metadata(path: Path) -> Metadata:
         raise CheckpointError(f"{path}: missing file .metadata (the DCP index); the checkpoint is damaged.")
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any unreadable index is the same problem to the user
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - any unreadable index is the same problem
         raise CheckpointError(f"{path}: unreadable .metadata ({type(e).__name__}: {e}).") from None
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -266,12 +309,10 @@ class Checkpointer:
         if resume == "auto":
             if not existing:
                 return None
-            path = existing[-1][1]
+            path, meta = self._newest_intact([p for _, p in existing], model_config)
         else:
             path = find_checkpoint(resume)
-        meta = read_meta(path)
-        check_model_config(path, meta, model_config)
-        read_dcp_metadata(path)
+            meta = self._verified(path, model_config)
         if meta["step"] >= self.max_steps:
             raise CheckpointError(
                 f"{path}: saved at step {meta['step']}, and trainer.max_steps={self.max_steps} leaves no step to "
@@ -279,6 +320,32 @@ class Checkpointer:
                 f"{meta['step']} to train further, or start afresh with checkpoint.resume=none and a new checkpoint.dir."
             )
         return str(path), meta
+
+    @staticmethod
+    def _verified(path: Path, model_config: NemotronHConfig) -> dict[str, Any]:
+        """`path`'s meta after checking that it is this model's and that every file is intact."""
+        meta = read_meta(path)
+        check_model_config(path, meta, model_config)
+        read_dcp_metadata(path)
+        verify_checksums(path, meta)
+        return meta
+
+    def _newest_intact(self, paths: list[Path], model_config: NemotronHConfig) -> tuple[Path, dict[str, Any]]:
+        """The newest of `paths` (oldest first) that verifies; each damaged one skipped is named in a
+        warning. A checkpoint of another model stops the search: that is a settings mistake."""
+        damaged = []
+        for path in reversed(paths):
+            try:
+                return path, self._verified(path, model_config)
+            except CheckpointError as e:
+                if "saved for another model" in str(e):
+                    raise
+                log.warning("resume=auto: skipping %s: %s", path.name, e)
+                damaged.append(str(e))
+        raise CheckpointError(
+            f"checkpoint.dir={str(self.root)!r}: no intact checkpoint to resume: " + " | ".join(damaged)
+            + " Fix: checkpoint.resume=none with another checkpoint.dir to start afresh."
+        )
 
     # ------------------------------------------------------------------ load
     def load(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> int:
@@ -299,7 +366,7 @@ class Checkpointer:
             state["rng"] = {f"rank_{self.rank}": rng}
         try:
             dcp.load(state, checkpoint_id=str(path))
-        except Exception as e:  # noqa: BLE001 - DCP wraps per-rank failures in its own exception type
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own type is not an Exception
             raise CheckpointError(f"{path}: loading failed: {type(e).__name__}: {e}") from None
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                        options=STATE_DICT_OPTIONS)
@@ -354,6 +421,8 @@ class Checkpointer:
         return final
 
     def _publish(self, tmp: Path, final: Path, meta: dict[str, Any]) -> None:
+        # Every rank's shards are complete (barrier): rank 0 records their checksums for readers.
+        meta = {**meta, "files": file_checksums(tmp)}
         with open(tmp / META, "w", encoding="utf-8") as f:
             json.dump(meta, f, indent=2)
             f.write("\n")

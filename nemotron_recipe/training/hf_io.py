@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -46,6 +47,7 @@ from nemotron_recipe.training.checkpoint import (
     find_checkpoint,
     read_dcp_metadata,
     read_meta,
+    verify_checksums,
 )
 
 log = logging.getLogger(__name__)
@@ -221,10 +223,11 @@ def load_checkpoint_model(checkpoint: str | Path) -> tuple[NemotronHForCausalLM,
     model.to_empty(device="cpu")
     state = model.state_dict()
     check_tensors(path, read_dcp_metadata(path), {"model": state})
+    verify_checksums(path, meta)
     try:
         # no_dist: a plain read in this process, whatever process group may exist around it.
         dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
-    except Exception as e:  # noqa: BLE001
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own type is not an Exception
         raise CheckpointError(f"{path}: loading failed: {type(e).__name__}: {e}") from None
     return model, meta, path
 
