@@ -238,13 +238,16 @@ def _synthetic_examples(n: int) -> SFTExamples:
     return SFTExamples(input_ids=ids, targets=targets)
 
 
-def test_collate_pads_to_fixed_shape():
+def test_collate_pads_to_the_longest_row():
     ex = _synthetic_examples(4)
     batch = collate(ex, [2, 0], seq_len=6, pad_id=0)
     assert batch["input_ids"].dtype == batch["targets"].dtype == torch.long
-    assert batch["input_ids"].shape == batch["targets"].shape == (2, 6)
-    assert batch["input_ids"][0].tolist() == [102, 7, 7, 7, 0, 0]
-    assert batch["targets"][0].tolist() == [-100, -100, 7, -100, -100, -100]
+    assert batch["input_ids"].shape == batch["targets"].shape == (2, 4)
+    assert batch["input_ids"].tolist() == [[102, 7, 7, 7], [100, 7, 0, 0]]
+    assert batch["targets"][0].tolist() == [-100, -100, 7, -100]
+    full = collate(ex, [2, 0], seq_len=6, pad_id=0, multiple=6)
+    assert full["input_ids"][0].tolist() == [102, 7, 7, 7, 0, 0]
+    assert full["targets"][0].tolist() == [-100, -100, 7, -100, -100, -100]
     with pytest.raises(ValueError, match="seq_len"):
         collate(ex, [2], seq_len=3, pad_id=0)
 
@@ -259,7 +262,8 @@ def test_val_batches_cover_every_example_once_in_lockstep(n, mbs, dp_size):
     seen = []
     for batches in per_rank:
         for batch in batches:
-            assert batch["input_ids"].shape == batch["targets"].shape == (mbs, 8)
+            assert batch["input_ids"].shape == batch["targets"].shape
+            assert batch["input_ids"].shape[0] == mbs and batch["input_ids"].shape[1] <= 8
             for row_ids, row_targets in zip(batch["input_ids"], batch["targets"]):
                 if (row_targets != IGNORE_INDEX).any():
                     seen.append(int(row_ids[0]) - 100)

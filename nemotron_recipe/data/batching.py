@@ -108,30 +108,44 @@ class GlobalBatchPlan:
         return [mine[i : i + m] for i in range(0, per_rank, m)]
 
 
-def collate(examples: SFTExamples, indices: Sequence[int], seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """Stack the given examples into fixed ``[len(indices), seq_len]`` tensors.
+def padded_length(examples: SFTExamples, indices: Sequence[int], seq_len: int, multiple: int = 1) -> int:
+    """The batch's longest row rounded up to `multiple`, at most `seq_len` (itself a multiple)."""
+    longest = max((len(examples.input_ids[idx]) for idx in indices), default=1)
+    return min(-(-max(longest, 1) // multiple) * multiple, seq_len)
 
-    The shape never depends on the batch's longest row, which keeps sequence/context-parallel
-    splits and compiled graphs static. Padding is never trained on (targets are ``-100``).
+
+def collate(
+    examples: SFTExamples, indices: Sequence[int], seq_len: int, pad_id: int, multiple: int = 1
+) -> dict[str, torch.Tensor]:
+    """Stack the given examples into ``[len(indices), length]`` tensors, ``length`` being the
+    batch's longest row rounded up to ``multiple`` (see ``padded_length``).
+
+    Padding only ever trails the real tokens, is never trained on (targets are ``-100``) and the
+    model is causal, so a batch trains exactly as if padded to ``seq_len`` while computing no more
+    positions than its longest row needs. ``multiple`` is what sequence/context parallel split
+    by (``ParallelPlan.seq_len_divisor``); ``multiple=seq_len`` pads every batch to ``seq_len``.
+    Ranks that read the same rows (one data-parallel group) thus get the same length.
     Packed examples also get ``document_ids``: document ``j`` of a row is marked ``j`` and the
     row's padding gets the next id, so no real document attends to or carries state from it.
     Unpacked examples get none, which keeps the model on its faster single-document path.
     """
-    input_ids = torch.full((len(indices), seq_len), pad_id, dtype=torch.long)
-    targets = torch.full((len(indices), seq_len), IGNORE_INDEX, dtype=torch.long)
-    document_ids = torch.zeros((len(indices), seq_len), dtype=torch.long) if examples.packed else None
-    for row, idx in enumerate(indices):
-        ids = examples.input_ids[idx]
-        if len(ids) > seq_len:
+    for idx in indices:
+        if len(examples.input_ids[idx]) > seq_len:
             raise ValueError(
-                f"example {idx} has {len(ids)} tokens but seq_len is {seq_len}; "
+                f"example {idx} has {len(examples.input_ids[idx])} tokens but seq_len is {seq_len}; "
                 "tokenize with the same seq_len that batches are collated to"
             )
+    length = padded_length(examples, indices, seq_len, multiple)
+    input_ids = torch.full((len(indices), length), pad_id, dtype=torch.long)
+    targets = torch.full((len(indices), length), IGNORE_INDEX, dtype=torch.long)
+    document_ids = torch.zeros((len(indices), length), dtype=torch.long) if examples.packed else None
+    for row, idx in enumerate(indices):
+        ids = examples.input_ids[idx]
         input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         targets[row, : len(ids)] = torch.tensor(examples.targets[idx], dtype=torch.long)
         if document_ids is not None:
             lengths = examples.document_lengths[idx]
-            marks = torch.arange(len(lengths) + 1).repeat_interleave(torch.tensor([*lengths, seq_len - len(ids)]))
+            marks = torch.arange(len(lengths) + 1).repeat_interleave(torch.tensor([*lengths, length - len(ids)]))
             document_ids[row] = marks
     batch = {"input_ids": input_ids, "targets": targets}
     if document_ids is not None:
@@ -143,13 +157,14 @@ class ValBatches:
     """Sized, re-iterable sequence of this rank's validation batches (see ``val_batches``)."""
 
     def __init__(self, examples: SFTExamples, shard: list[int], num_batches: int, micro_batch_size: int,
-                 seq_len: int, pad_id: int) -> None:
+                 seq_len: int, pad_id: int, multiple: int = 1) -> None:
         self.examples = examples
         self.shard = shard
         self.num_batches = num_batches
         self.micro_batch_size = micro_batch_size
         self.seq_len = seq_len
         self.pad_id = pad_id
+        self.multiple = multiple
 
     def __len__(self) -> int:
         return self.num_batches
@@ -158,12 +173,12 @@ class ValBatches:
         m = self.micro_batch_size
         for b in range(self.num_batches):
             indices = self.shard[b * m : (b + 1) * m]
-            batch = collate(self.examples, indices, self.seq_len, self.pad_id)
+            batch = collate(self.examples, indices, self.seq_len, self.pad_id, self.multiple)
             missing = m - len(indices)
             if missing:
                 fill = {"input_ids": self.pad_id, "targets": IGNORE_INDEX, "document_ids": 0}
                 batch = {
-                    k: torch.cat([v, torch.full((missing, self.seq_len), fill[k], dtype=torch.long)])
+                    k: torch.cat([v, torch.full((missing, v.shape[1]), fill[k], dtype=torch.long)])
                     for k, v in batch.items()
                 }
             yield batch
@@ -176,8 +191,10 @@ def val_batches(
     dp_size: int,
     seq_len: int,
     pad_id: int,
+    multiple: int = 1,
 ) -> ValBatches:
-    """This rank's share of the whole validation set, as ``[micro_batch_size, seq_len]`` batches.
+    """This rank's share of the whole validation set, as ``[micro_batch_size, length]`` batches,
+    each padded like ``collate`` pads (to its longest row, rounded up to ``multiple``).
 
     Rank ``r`` takes examples ``r, r + dp_size, r + 2*dp_size, ...`` so shard sizes differ by at
     most one. Every rank yields the same number of batches, topped up with fully masked rows,
@@ -191,4 +208,4 @@ def val_batches(
     shard = list(range(dp_rank, len(examples), dp_size))
     largest_shard = math.ceil(len(examples) / dp_size)
     num_batches = math.ceil(largest_shard / micro_batch_size)
-    return ValBatches(examples, shard, num_batches, micro_batch_size, seq_len, pad_id)
+    return ValBatches(examples, shard, num_batches, micro_batch_size, seq_len, pad_id, multiple)

@@ -217,7 +217,8 @@ class Trainer:
         self.val_data = None
         if self.data.val is not None:
             self.val_data = val_batches(
-                self.data.val, t.micro_batch_size, self.layout.dp_rank, self.layout.dp_size, t.seq_len, self.pad_id
+                self.data.val, t.micro_batch_size, self.layout.dp_rank, self.layout.dp_size, t.seq_len, self.pad_id,
+                self.parallel.seq_len_divisor,
             )
         log.info("data: %s; %d micro-batch(es) per rank per step", self.data.describe(t.seq_len),
                  self.batch_plan.grad_accum_steps)
@@ -349,8 +350,9 @@ class Trainer:
         return self.checkpointer.last_saved or self.checkpointer.resume_from
 
     def _collate(self, indices: Any) -> dict[str, torch.Tensor]:
-        """The micro-batch of the examples at `indices`, cut to this rank's part of the sequence."""
-        batch = collate(self.data.train, indices, self.cfg.trainer.seq_len, self.pad_id)
+        """The micro-batch of the examples at `indices`, padded to its longest row (rounded up so the
+        sequence splits over the cp/sp ranks, which read the same rows), cut to this rank's part."""
+        batch = collate(self.data.train, indices, self.cfg.trainer.seq_len, self.pad_id, self.parallel.seq_len_divisor)
         return {k: self.layout.shard(v) for k, v in batch.items()}
 
     def _global_trained_tokens(self, micro_batches: list[dict[str, torch.Tensor]]) -> int:
