@@ -97,10 +97,9 @@ def causal_conv1d_silu(
 
 # ---------------------------------------------------------------------------------------- scan
 def _head_major(t: torch.Tensor, c: int, q: int, dtype: torch.dtype) -> torch.Tensor:
-    """[b, c*q, h, *] -> [b, h, c, q, *], contiguous, in `dtype`; always a new tensor (one copy), so
-    what the scan keeps for backward never aliases its inputs."""
+    """[b, c*q, h, *] -> [b, h, c, q, *], contiguous, in `dtype`."""
     b, _, h = t.shape[:3]
-    return t.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format, copy=True).view(b, h, c, q, *t.shape[3:])
+    return t.transpose(1, 2).to(dtype).contiguous().view(b, h, c, q, *t.shape[3:])
 
 
 def _natural(t: torch.Tensor, length: int) -> torch.Tensor:
@@ -150,7 +149,7 @@ def _scan_block_forward(x, dt, A, B, C, D, q, doc, doc_before, state_in, md):
     r, c = h // g, t // q
     ct = state_in.dtype
     xh = _head_major(x, c, q, ct)  # [b,h,c,q,p]
-    dth = _head_major(dt, c, q, ct)  # [b,h,c,q]
+    dth = _head_major(dt, c, q, ct)  # [b,h,c,q], contiguous: a view of dt would alias the op's input
     Bg, Cg = _head_major(B, c, q, md), _head_major(C, c, q, md)  # [b,g,c,q,n], only ever matmul operands
     X = xh * dth[..., None]
     s = (dth * A.to(ct)[:, None, None]).cumsum(-1)  # log-decay from the chunk's start, [b,h,c,q]
@@ -303,13 +302,31 @@ def _scan_forward(
     return [y, *saved]
 
 
+def _scan_forward_op(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    chunk_size: int,
+    document_ids: torch.Tensor | None,
+) -> list[torch.Tensor]:
+    """`_scan_forward` under an op's contract: no output shares storage with an input (with one head
+    or one group the head-major layout of x, dt, B or C can be the input itself; those are copied)."""
+    outputs = _scan_forward(x, dt, A, B, C, D, chunk_size, document_ids)
+    inputs = {t.untyped_storage()._cdata for t in (x, dt, A, B, C, D, document_ids) if t is not None}
+    return [t.clone() if t.untyped_storage()._cdata in inputs else t for t in outputs]
+
+
 # One dispatcher op, so that selective activation checkpointing can name the scan and keep its
 # outputs (the products the hand-written backward reads). A dispatch-level policy sees the aten ops
 # inside an autograd.Function's forward, and would otherwise cache the scan's inner matmuls, which
-# the scan then updates in place. Under torch.compile the op is opaque and traced on fake tensors,
-# where the same code computes the shapes.
-ssd_scan_forward = torch.library.custom_op("nemotron_recipe::ssd_scan_forward", _scan_forward, mutates_args=())
-ssd_scan_forward.register_fake(_scan_forward)
+# the scan then updates in place. Compiled code traces `_scan_forward` itself instead: as an opaque
+# op the compiled scan (forward and backward) ran a quarter slower, its elementwise work unfused.
+# On fake tensors the op runs the same code to give its shapes.
+ssd_scan_forward = torch.library.custom_op("nemotron_recipe::ssd_scan_forward", _scan_forward_op, mutates_args=())
+ssd_scan_forward.register_fake(_scan_forward_op)
 
 # The model's own ops whose outputs `ac=selective` keeps besides matmuls and attention. The scan is
 # the costliest op to recompute. (On CUDA, mamba_ssm's Triton scan is no dispatcher op: selective
@@ -321,8 +338,8 @@ class SSDChunkScan(torch.autograd.Function):
     """`ssd_chunked` as one autograd node (see ssd.py for the algorithm and the shapes).
 
     Computes in fp32 (fp64 for fp64 inputs), block by block of whole chunks (`SCAN_BLOCK_TOKENS`);
-    with bf16 inputs the batched products take bf16 operands (`_mm`). The forward is the custom op
-    `ssd_scan_forward`.
+    with bf16 inputs the batched products take bf16 operands (`_mm`). The forward runs as the custom
+    op `ssd_scan_forward` (traced as plain code under torch.compile).
     Saved for backward: fp32 copies of x and dt, B and C (in the matmul dtype), the masked decay
     matrices L [b,h,c,q,q] and C.B [b,g,c,q,q], and the states entering each chunk (in the matmul
     dtype); everything else is recomputed.
@@ -330,7 +347,8 @@ class SSDChunkScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, chunk_size, document_ids):
-        y, *saved = torch.ops.nemotron_recipe.ssd_scan_forward(x, dt, A, B, C, D, chunk_size, document_ids)
+        scan = _scan_forward if torch.compiler.is_compiling() else torch.ops.nemotron_recipe.ssd_scan_forward
+        y, *saved = scan(x, dt, A, B, C, D, chunk_size, document_ids)
         b, l, h, p = x.shape
         total = l + (-l) % chunk_size
         ctx.bounds = _scan_blocks(b, total, chunk_size, x.device)
