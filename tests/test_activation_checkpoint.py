@@ -155,12 +155,16 @@ def test_policy_saves_named_ops_and_recomputes_the_rest():
 def test_scan_op_passes_opcheck():
     """The scan's forward is a custom op (so a policy can name it): schema, fake tensors and tracing."""
     g = torch.Generator().manual_seed(0)
-    for h, groups in ((6, 3), (1, 1)):  # one head, one group: kept tensors must still not alias inputs
-        x, dt, A, B, C, D = scan_inputs(20, g, h=h, groups=groups)
-        doc = torch.tensor([[0] * 5 + [1] * 15] * 2)
+    # One head and one group over whole chunks: the head-major layouts could be the inputs themselves.
+    for seq_len, h, groups in ((20, 6, 3), (16, 1, 1)):
+        x, dt, A, B, C, D = scan_inputs(seq_len, g, h=h, groups=groups)
+        doc = torch.tensor([[0] * 5 + [1] * (seq_len - 5)] * 2)
         for document_ids in (None, doc):
-            torch.library.opcheck(torch.ops.nemotron_recipe.ssd_scan_forward.default,
-                                  (x, dt, A, B, C, D, 8, document_ids))
+            args = (x, dt, A, B, C, D, 8, document_ids)
+            torch.library.opcheck(torch.ops.nemotron_recipe.ssd_scan_forward.default, args)
+            inputs = {t.untyped_storage()._cdata for t in args if isinstance(t, torch.Tensor)}
+            outputs = torch.ops.nemotron_recipe.ssd_scan_forward(*args)
+            assert not [t for t in outputs if t.untyped_storage()._cdata in inputs]
     assert kernels.SELECTIVE_AC_SAVED_OPS == {torch.ops.nemotron_recipe.ssd_scan_forward.default}
 
 
