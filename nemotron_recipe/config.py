@@ -21,6 +21,7 @@ from omegaconf.errors import InterpolationResolutionError
 
 from nemotron_recipe.distributed.env import launched_world_size
 from nemotron_recipe.distributed.plan import ParallelConfigError, ParallelPlan
+from nemotron_recipe.models.nemotron_v3.checkpoint import weight_file_problem
 from nemotron_recipe.models.nemotron_v3.config import ModelConfigError, NemotronHConfig
 
 WANDB_MODES = ("disabled", "offline", "online")
@@ -308,34 +309,23 @@ def _check_path(errors: list[str], name: str, value: Optional[str], *, allow_dir
     )
 
 
-def validate_config(cfg: Any) -> tuple[NemotronHConfig, ParallelPlan]:
-    """Check everything that can be checked before any process group, data or model exists.
+def _positive(errors: list[str], name: str, value: Any, *, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        errors.append(f"{name}={value!r}: must be {bound}. Fix: set a value {bound}.")
 
-    Raises `ConfigError` listing every problem at once (or `ModelConfigError` for the model), so
-    every rank fails identically and early. Returns the model config and the parallel plan (for the
-    world size the launcher set), which it had to build anyway.
-    """
+
+def _trainer_problems(t: Any, checkpoint: Any) -> list[str]:
     errors: list[str] = []
-    t, o = cfg.trainer, cfg.optim
-
-    def positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
-        if value is None:
-            return
-        if value < 0 or (value == 0 and not allow_zero):
-            bound = ">= 0" if allow_zero else "> 0"
-            errors.append(f"{name}={value!r}: must be {bound}. Fix: set a value {bound}.")
-
-    positive("trainer.max_steps", t.max_steps)
-    positive("trainer.global_batch_size", t.global_batch_size)
-    positive("trainer.micro_batch_size", t.micro_batch_size)
-    positive("trainer.log_every", t.log_every)
-    positive("trainer.val_every", t.val_every, allow_zero=True)
-    positive("trainer.max_grad_norm", t.max_grad_norm)
-    positive("trainer.stop_at_step", t.stop_at_step)
-    positive("trainer.max_minutes", t.max_minutes)
-    positive("trainer.loss_chunk_size", t.loss_chunk_size, allow_zero=True)
-    positive("checkpoint.every", cfg.checkpoint.every, allow_zero=True)
-    positive("checkpoint.keep", cfg.checkpoint.keep, allow_zero=True)
+    for name in ("max_steps", "global_batch_size", "micro_batch_size", "log_every", "max_grad_norm",
+                 "stop_at_step", "max_minutes"):
+        _positive(errors, f"trainer.{name}", getattr(t, name))
+    for name in ("val_every", "loss_chunk_size", "max_skipped_steps"):
+        _positive(errors, f"trainer.{name}", getattr(t, name), allow_zero=True)
+    _positive(errors, "checkpoint.every", checkpoint.every, allow_zero=True)
+    _positive(errors, "checkpoint.keep", checkpoint.keep, allow_zero=True)
     if t.seq_len < 2:
         errors.append(
             f"trainer.seq_len={t.seq_len}: must be >= 2 (one input and one target token). "
@@ -343,34 +333,42 @@ def validate_config(cfg: Any) -> tuple[NemotronHConfig, ParallelPlan]:
         )
     _check_choice(errors, "trainer.device", t.device, DEVICES)
     _check_choice(errors, "trainer.nonfinite", t.nonfinite, NONFINITE_MODES)
-    positive("trainer.max_skipped_steps", t.max_skipped_steps, allow_zero=True)
+    return errors
 
-    positive("optim.lr", o.lr)
-    positive("optim.weight_decay", o.weight_decay, allow_zero=True)
-    positive("optim.eps", o.eps)
-    positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
+
+def _optim_problems(o: Any) -> list[str]:
+    errors: list[str] = []
+    _positive(errors, "optim.lr", o.lr)
+    _positive(errors, "optim.eps", o.eps)
+    _positive(errors, "optim.weight_decay", o.weight_decay, allow_zero=True)
+    _positive(errors, "optim.warmup_steps", o.warmup_steps, allow_zero=True)
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         errors.append(f"optim.min_lr_ratio={o.min_lr_ratio}: must lie in [0, 1]. Fix: e.g. 0.1.")
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         errors.append(f"optim.betas={list(o.betas)}: need two values in [0, 1). Fix: e.g. [0.9,0.95].")
+    return errors
 
-    plan = None
+
+def _parallel_problems(cfg: Any) -> tuple[ParallelPlan | None, list[str]]:
+    """The parallel plan for the world size the launcher set, and the batch split it implies."""
+    t = cfg.trainer
     try:
         plan = ParallelPlan.from_config(cfg, launched_world_size())
     except ParallelConfigError as e:
-        errors.append(str(e).removeprefix("invalid parallel settings:\n  "))
-    if plan is not None and t.global_batch_size > 0 and t.micro_batch_size > 0:
-        errors.extend(_batch_split_problems(t, plan.dp_size))
+        return None, [str(e).removeprefix("invalid parallel settings:\n  ")]
+    if t.global_batch_size > 0 and t.micro_batch_size > 0:
+        return plan, _batch_split_problems(t, plan.dp_size)
+    return plan, []
 
-    _check_choice(errors, "logger.wandb.mode", cfg.logger.wandb.mode, WANDB_MODES)
 
+def _input_problems(cfg: Any) -> list[str]:
+    """Data, tokenizer, run directory and pretrained weights."""
     # Imported here: the data layer pulls in transformers and datasets, which composing a config should not.
     from nemotron_recipe.data.sources import check_data_config
 
-    errors.extend(check_data_config(cfg.data))
+    errors = list(check_data_config(cfg.data))
     _check_path(errors, "data.tokenizer", cfg.data.tokenizer, allow_dir=True)
-    positive("data.val_max_batches", cfg.data.val_max_batches)
-
+    _positive(errors, "data.val_max_batches", cfg.data.val_max_batches)
     try:
         _ = cfg.run_dir
     except InterpolationResolutionError:
@@ -378,14 +376,23 @@ def validate_config(cfg: Any) -> tuple[NemotronHConfig, ParallelPlan]:
             "run_dir: cannot be resolved. It defaults to Hydra's output directory, which exists only in "
             "a run launched through Hydra. Fix: set run_dir explicitly."
         )
+    if cfg.model.pretrained and (problem := weight_file_problem(Path(cfg.model.pretrained).expanduser())):
+        errors.append(f"model.pretrained={cfg.model.pretrained!r}: {problem}")
+    return errors
 
-    if cfg.model.pretrained:
-        from nemotron_recipe.training.hf_io import weight_file_problem
 
-        problem = weight_file_problem(Path(cfg.model.pretrained).expanduser())
-        if problem:
-            errors.append(f"model.pretrained={cfg.model.pretrained!r}: {problem}")
+def validate_config(cfg: Any) -> tuple[NemotronHConfig, ParallelPlan]:
+    """Check everything that can be checked before any process group, data or model exists.
 
+    Raises `ConfigError` listing every problem at once (or `ModelConfigError` for the model), so
+    every rank fails identically and early. Returns the model config and the parallel plan (for the
+    world size the launcher set), which it had to build anyway.
+    """
+    errors = _trainer_problems(cfg.trainer, cfg.checkpoint) + _optim_problems(cfg.optim)
+    plan, parallel_errors = _parallel_problems(cfg)
+    errors += parallel_errors
+    _check_choice(errors, "logger.wandb.mode", cfg.logger.wandb.mode, WANDB_MODES)
+    errors += _input_problems(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     return build_model_config(cfg.model), plan

@@ -21,7 +21,6 @@ This module reads checkpoints through `checkpoint.py`; that module never imports
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -35,11 +34,10 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from nemotron_recipe.models.nemotron_v3 import CheckpointError, ModelConfigError, NemotronHConfig, NemotronHForCausalLM
 from nemotron_recipe.models.nemotron_v3.checkpoint import (
-    SAFE_INDEX,
-    SAFE_SINGLE,
     mamba_conv_order,
     mamba_in_proj_order,
     safetensors_files,
+    weight_file_problem,
 )
 from nemotron_recipe.training.checkpoint import (
     Checkpointer,
@@ -84,28 +82,6 @@ def _runs(rows: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((r, r + 1))
     return runs
-
-
-def weight_file_problem(path: str | Path) -> str | None:
-    """Why the weights of Hugging Face directory `path` are ambiguous, or None.
-
-    A sharded index beside a single `model.safetensors` it does not name is what an export over an
-    older one leaves: this loader would read the index's files and transformers the single file,
-    so the two would train and serve different weights."""
-    index, single = Path(path) / SAFE_INDEX, Path(path) / SAFE_SINGLE
-    if not (index.is_file() and single.is_file()):
-        return None
-    try:
-        named = set(json.loads(index.read_text())["weight_map"].values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        return f"{index}: unreadable index ({type(e).__name__}: {e})"
-    if named == {SAFE_SINGLE}:
-        return None
-    return (
-        f"{path}: holds both {SAFE_SINGLE} and {SAFE_INDEX} naming other files ({sorted(named)[:3]}), so which "
-        "weights load depends on the loader; one of them is left over from an earlier save. Fix: delete the "
-        "stale files, or export again with `python -m recipes.export CHECKPOINT OUT --overwrite`."
-    )
 
 
 class _SafetensorsIndex:

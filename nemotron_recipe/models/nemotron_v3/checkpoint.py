@@ -16,6 +16,7 @@ import json
 import os
 import re
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
@@ -144,6 +145,28 @@ def safetensors_files(path: str) -> list[str]:
     if missing:
         raise CheckpointError(f"{path}: the index names files that do not exist: {missing}")
     return files
+
+
+def weight_file_problem(path: str | Path) -> str | None:
+    """Why the weights of Hugging Face directory `path` are ambiguous, or None.
+
+    A sharded index beside a single `model.safetensors` it does not name is what an export over an
+    older one leaves: this loader would read the index's files and transformers the single file,
+    so the two would train and serve different weights."""
+    index, single = Path(path) / SAFE_INDEX, Path(path) / SAFE_SINGLE
+    if not (index.is_file() and single.is_file()):
+        return None
+    try:
+        named = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{index}: unreadable index ({type(e).__name__}: {e})"
+    if named == {SAFE_SINGLE}:
+        return None
+    return (
+        f"{path}: holds both {SAFE_SINGLE} and {SAFE_INDEX} naming other files ({sorted(named)[:3]}), so which "
+        "weights load depends on the loader; one of them is left over from an earlier save. Fix: delete the "
+        "stale files, or export again with `python -m recipes.export CHECKPOINT OUT --overwrite`."
+    )
 
 
 def read_safetensors(files: Iterable[str]) -> dict[str, torch.Tensor]:
