@@ -49,6 +49,10 @@ def compile_blocks(
     if not blocks:
         log.warning("trainer.compile: no decoder blocks found; running eagerly")
         return False
+    # Every block kind shares `Block.forward`, so each kind's training and evaluation graphs, and
+    # the dynamic-length graph a new batch length (batches are padded to their longest row) brings,
+    # all count against that one function's limit of compiled variants; past it, blocks run eagerly.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     try:
         for block in blocks:
             block.compile(**compile_kwargs)
