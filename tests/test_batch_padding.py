@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 
 from nemotron_recipe.data import IGNORE_INDEX, SFTExamples, collate, val_batches
 from nemotron_recipe.data.batching import padded_length

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 from nemotron_recipe.config import ConfigError
 from nemotron_recipe.models.nemotron_v3 import PRESETS, CheckpointError, NemotronHForCausalLM
-from nemotron_recipe.training.checkpoint import complete_checkpoints
+from nemotron_recipe.training.checkpoint import complete_checkpoints, file_checksums
 from nemotron_recipe.training.finetune import Trainer, run
 from nemotron_recipe.training.hf_io import (
     build_meta_model,
@@ -124,7 +123,9 @@ def test_export_refuses_a_checkpoint_holding_nan(tmp_path, one_step):
     state["model.norm_f.weight"][3] = float("nan")
     bad = tmp_path / "bad" / "step_000001"
     dcp.save({"model": state}, checkpoint_id=str(bad), no_dist=True)
-    shutil.copy(good / "meta.json", bad / "meta.json")
+    # The same meta.json with the new files' checksums: a checkpoint that verifies but holds NaN.
+    meta = json.loads((good / "meta.json").read_text())
+    (bad / "meta.json").write_text(json.dumps({**meta, "files": file_checksums(bad)}))
     with pytest.raises(CheckpointError, match=r"non-finite values in \['model.norm_f.weight'\]") as info:
         export_hf(bad, tmp_path / "hf")
     assert str(bad) in str(info.value)
