@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -291,3 +292,64 @@ def test_a_flipped_byte_is_named_and_resume_auto_falls_back_to_the_intact_checkp
     assert any("skipping step_000002" in r.getMessage() and "__0_0.distcp" in r.getMessage() for r in caplog.records)
     resumed = {r["step"]: r["loss"] for r in metrics_rows(split) if "loss" in r}  # the later rows win
     assert resumed == pytest.approx(losses(tmp_path / "straight"), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------- lineage and lock
+def test_a_branch_keeps_both_lineages_and_resume_auto_continues_the_newest(tmp_path, caplog):
+    out = tmp_path / "run"
+    common = [*SHORT, "checkpoint.every=1"]
+    run(compose_run(out, *common, "trainer.max_steps=4", "checkpoint.keep=2"))
+    ckpts = out / "checkpoints"
+    first = json.loads((ckpts / "step_000004" / "meta.json").read_text())
+    assert first["parent"].endswith("step_000003") and first["lineage"] == first["run_id"]
+
+    # A branch from step 3: its step 4 lands beside the other lineage's, and keep=1 prunes only its own.
+    run(compose_run(out, *common, "trainer.max_steps=4", "checkpoint.keep=1",
+                    f"checkpoint.resume={ckpts / 'step_000003'}"))
+    branch = json.loads(next(ckpts.glob("step_000004-*")).joinpath("meta.json").read_text())
+    assert branch["lineage"] != first["lineage"] and branch["parent"] == str(ckpts / "step_000003")
+    assert sorted(p.name for _, p in complete_checkpoints(ckpts)) == [
+        "step_000003", "step_000004", f"step_000004-{branch['lineage']}"]
+
+    with caplog.at_level("INFO"):
+        summary = run(compose_run(out, *common, "trainer.max_steps=5", "checkpoint.keep=1"))
+    assert summary["resumed_from"] == 4
+    assert any(f"step_000004-{branch['lineage']} of lineage {branch['lineage']}" in r.getMessage()
+               for r in caplog.records)
+    assert sorted(p.name for _, p in complete_checkpoints(ckpts)) == ["step_000003", "step_000004", "step_000005"]
+    assert json.loads((ckpts / "step_000005" / "meta.json").read_text())["lineage"] == branch["lineage"]
+
+
+def test_checkpoints_without_a_lineage_are_one_of_their_own(tmp_path):
+    out = tmp_path / "run"
+    run(compose_run(out, *SHORT, "trainer.max_steps=2", "checkpoint.every=1", "checkpoint.keep=0"))
+    ckpts = out / "checkpoints"
+    for _, path in complete_checkpoints(ckpts):  # as written before lineages were recorded
+        meta = json.loads((path / "meta.json").read_text())
+        for key in ("run_id", "lineage", "parent"):
+            del meta[key]
+        (path / "meta.json").write_text(json.dumps(meta))
+    summary = run(compose_run(out, *SHORT, "trainer.max_steps=4", "checkpoint.every=1", "checkpoint.keep=1"))
+    assert summary["resumed_from"] == 2
+    assert [p.name for _, p in complete_checkpoints(ckpts)] == ["step_000001", "step_000002", "step_000004"]
+
+
+def test_a_second_run_on_the_same_dir_is_refused_and_a_dead_runs_lock_taken_over(tmp_path, caplog):
+    ckpts = tmp_path / "run" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    lock = ckpts / ".lock"
+    holder = {"host": socket.gethostname(), "pid": os.getppid(), "started": "2020-01-01T00:00:00+00:00"}
+    lock.write_text(json.dumps(holder))
+    with pytest.raises(CheckpointError) as info:
+        run(compose_run(tmp_path / "run", *SHORT, "trainer.max_steps=1"))
+    for needle in ("in use by another run", str(lock), f"pid {os.getppid()}", "another checkpoint.dir"):
+        assert needle in str(info.value), info.value
+    assert json.loads(lock.read_text()) == holder and not complete_checkpoints(ckpts)
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.write_text(json.dumps({**holder, "pid": dead.pid}))
+    with caplog.at_level("WARNING"):
+        summary = run(compose_run(tmp_path / "run", *SHORT, "trainer.max_steps=1"))
+    assert summary["steps"] == 1 and not lock.exists()
+    assert any(f"lock of pid {dead.pid}" in r.getMessage() for r in caplog.records)

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import json
 import logging
 import os
 import re
 import shutil
+import socket
 import time
 import uuid
 import zlib
@@ -53,7 +55,13 @@ log = logging.getLogger(__name__)
 META = "meta.json"
 FORMAT_VERSION = 1
 TMP_MARK = ".tmp-"
-_FINAL_NAME = re.compile(r"^step_(\d+)$")
+# `step_N`, or `step_N-<lineage>` when another lineage already holds `step_N` (a branch).
+_FINAL_NAME = re.compile(r"^step_(\d+)(?:-[0-9a-f]{12})?$")
+LOCK = ".lock"
+# The lineage of checkpoints written before lineages were recorded: they count as one of their own.
+LEGACY_LINEAGE = "unrecorded"
+# Adam's two moments in fp32 per parameter element, on top of the parameters themselves.
+OPTIMIZER_BYTES_PER_ELEMENT = 8
 # Flattened optimizer state names each hyperparameter per parameter name, so the layout of the
 # param groups on the saving side never has to match the loading side's.
 STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -69,6 +77,10 @@ def step_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
+def _step_of(path: Path) -> int:
+    return int(_FINAL_NAME.match(path.name).group(1))
+
+
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """(step, path) of every published checkpoint under `root`, oldest first."""
     if not root.is_dir():
@@ -79,6 +91,93 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
         if m and path.is_dir() and (path / META).is_file():
             found.append((int(m.group(1)), path))
     return sorted(found)
+
+
+def lineage_of(path: Path) -> str:
+    """The lineage recorded in `path`'s meta.json; an unreadable one counts as unrecorded (verification
+    names the damage when that checkpoint is chosen)."""
+    try:
+        return json.loads((path / META).read_text()).get("lineage") or LEGACY_LINEAGE
+    except (OSError, ValueError, AttributeError):
+        return LEGACY_LINEAGE
+
+
+def checkpoints_by_lineage(root: Path) -> dict[str, list[Path]]:
+    """The published checkpoints under `root` grouped by lineage, each group oldest step first, and the
+    groups ordered by when each last saved (the newest lineage last). Recency is meta.json's write
+    time, not the step: a branch from an older checkpoint has lower steps than the run it left."""
+    groups: dict[str, list[Path]] = {}
+    for _, path in complete_checkpoints(root):
+        groups.setdefault(lineage_of(path), []).append(path)
+
+    def last_write(paths: list[Path]) -> int:
+        return max((p / META).stat().st_mtime_ns for p in paths)
+
+    return dict(sorted(groups.items(), key=lambda item: last_write(item[1])))
+
+
+# ---------------------------------------------------------------------------------------- lock
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def _read_lock(lock: Path) -> dict[str, Any]:
+    try:
+        holder = json.loads(lock.read_text())
+        return holder if isinstance(holder, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def acquire_lock(root: Path) -> Path:
+    """Creates `root/.lock` (host, pid, start time) so that no second run writes into `root` while this
+    one does: two runs would delete each other's saves. A lock of a dead process on this host is taken
+    over with a warning; any other existing lock is refused, naming its holder. Also the first proof
+    that `root` is writable, before any heavy work."""
+    lock = root / LOCK
+    mine = {"host": socket.gethostname(), "pid": os.getpid(),
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for _ in range(2):
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = _read_lock(lock)
+                stale = holder.get("host") == mine["host"] and isinstance(holder.get("pid"), int) \
+                    and not _process_alive(holder["pid"])
+                if not stale:
+                    raise CheckpointError(
+                        f"checkpoint.dir={str(root)!r} is in use by another run (lock {lock}: host "
+                        f"{holder.get('host', '?')}, pid {holder.get('pid', '?')}, started {holder.get('started', '?')}); "
+                        "two runs writing into one directory delete each other's checkpoints. Fix: wait for that run "
+                        "or give this one another checkpoint.dir; if no run uses the directory any more, delete the lock."
+                    ) from None
+                log.warning("checkpoint.dir %s: taking over the lock of pid %s on %s, which is no longer running",
+                            root, holder["pid"], holder["host"])
+                lock.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(mine, f)
+            return lock
+    except OSError as e:
+        raise CheckpointError(
+            f"checkpoint.dir={str(root)!r} is not writable ({e.strerror or e}). Fix: make it writable or set "
+            "checkpoint.dir to a directory this run may write to."
+        ) from None
+    raise CheckpointError(f"{lock}: another run took the lock while this one was taking over a stale one.")
+
+
+def release_lock(lock: Path) -> None:
+    """Removes `lock` if this process holds it; never another run's."""
+    if _read_lock(lock).get("pid") == os.getpid() and _read_lock(lock).get("host") == socket.gethostname():
+        lock.unlink(missing_ok=True)
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -269,10 +368,47 @@ class Checkpointer:
             },
             "run_dir": str(run_dir),
         }
-        found = self.on_rank0(lambda: self._find_resume(c.resume, model_config))
+        self.lock: Path | None = None  # rank 0's, while it holds checkpoint.dir
+        self._skipped: list[Path] = []  # damaged checkpoints resume=auto passed over
+        found, self.run_id, self.lineage = self.on_rank0(lambda: self._start(c.resume, model_config))
+        self.base_meta |= {"run_id": self.run_id, "lineage": self.lineage}
         self.resume_from: Path | None = None if found is None else Path(found[0])
         self.resume_meta: dict[str, Any] | None = None if found is None else found[1]
         self.last_saved: Path | None = None
+
+    def release(self) -> None:
+        """Gives up checkpoint.dir's lock (rank 0; a no-op elsewhere and when called again)."""
+        if self.lock is not None:
+            release_lock(self.lock)
+            self.lock = None
+
+    def _start(self, resume: str, model_config: NemotronHConfig) -> tuple[Any, str, str]:
+        """Rank 0: takes checkpoint.dir's lock, then chooses the checkpoint to resume and this run's id
+        and lineage. The lock is given up again if any of that fails."""
+        self.lock = acquire_lock(self.root)
+        try:
+            found = self._find_resume(resume, model_config)
+            run_id = uuid.uuid4().hex[:12]
+            return found, run_id, self._lineage_after(found, run_id)
+        except BaseException:
+            self.release()
+            raise
+
+    def _lineage_after(self, found: tuple[str, dict[str, Any]] | None, run_id: str) -> str:
+        """The lineage this run's checkpoints belong to. Resuming the newest checkpoint of a lineage
+        continues it (its `keep` then rotates that lineage's checkpoints); a fresh start, a checkpoint
+        written before lineages were recorded, or one with newer checkpoints of its lineage beside it
+        (a branch) starts a lineage named after this run, so its saves never prune the other's."""
+        if found is None or not found[1].get("lineage"):
+            return run_id
+        path, meta = Path(found[0]), found[1]
+        group = checkpoints_by_lineage(self.root).get(meta["lineage"], [])
+        newer = [q.name for q in group if q not in self._skipped and _step_of(q) > meta["step"]]
+        if newer:
+            log.info("resuming %s, an older checkpoint of its lineage (newer: %s): this run starts lineage %s",
+                     path.name, ", ".join(newer), run_id)
+            return run_id
+        return meta["lineage"]
 
     # ------------------------------------------------------------------ coordination
     def on_rank0(self, fn: Callable[[], T]) -> T:
@@ -309,7 +445,10 @@ class Checkpointer:
         if resume == "auto":
             if not existing:
                 return None
-            path, meta = self._newest_intact([p for _, p in existing], model_config)
+            lineages = checkpoints_by_lineage(self.root)
+            path, meta = self._newest_intact([p for group in lineages.values() for p in group], model_config)
+            log.info("resume=auto: %s of lineage %s (%d lineage(s) in %s; the newest saved last)",
+                     path.name, meta.get("lineage", LEGACY_LINEAGE), len(lineages), self.root)
         else:
             path = find_checkpoint(resume)
             meta = self._verified(path, model_config)
@@ -331,7 +470,7 @@ class Checkpointer:
         return meta
 
     def _newest_intact(self, paths: list[Path], model_config: NemotronHConfig) -> tuple[Path, dict[str, Any]]:
-        """The newest of `paths` (oldest first) that verifies; each damaged one skipped is named in a
+        """The last of `paths` (newest lineage last, each oldest step first) that verifies; each damaged one skipped is named in a
         warning. A checkpoint of another model stops the search: that is a settings mistake."""
         damaged = []
         for path in reversed(paths):
@@ -341,6 +480,7 @@ class Checkpointer:
                 if "saved for another model" in str(e):
                     raise
                 log.warning("resume=auto: skipping %s: %s", path.name, e)
+                self._skipped.append(path)
                 damaged.append(str(e))
         raise CheckpointError(
             f"checkpoint.dir={str(self.root)!r}: no intact checkpoint to resume: " + " | ".join(damaged)
@@ -393,8 +533,8 @@ class Checkpointer:
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> Path:
         began = time.perf_counter()
-        name = step_name(step)
-        tmp = self.root / self.on_rank0(lambda: f"{name}{TMP_MARK}{uuid.uuid4().hex[:12]}")
+        name = self.on_rank0(lambda: self._final_name(step))
+        tmp = self.root / f"{name}{TMP_MARK}{uuid.uuid4().hex[:12]}"
         model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
         state = {
             "model": model_sd,
@@ -410,6 +550,8 @@ class Checkpointer:
         meta = {
             **self.base_meta,
             "step": step,
+            # The checkpoint this one continues from: this run's previous save, or the one it resumed.
+            "parent": None if (parent := self.last_saved or self.resume_from) is None else str(parent),
             "scheduler": scheduler.state_dict(),
             "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
@@ -419,6 +561,22 @@ class Checkpointer:
         self.last_saved = final
         log.info("checkpoint %s written in %.1f s", final, time.perf_counter() - began)
         return final
+
+    def _final_name(self, step: int) -> str:
+        """Rank 0: the directory name of this run's checkpoint of `step`, after removing the `.tmp`
+        leftovers of killed saves (the lock guarantees that no other run is writing them). A step that
+        another lineage already saved gets the lineage as a suffix, so neither branch replaces the other."""
+        self._remove_leftovers()
+        name = step_name(step)
+        taken = self.root / name
+        if taken.is_dir() and (taken / META).is_file() and lineage_of(taken) != self.lineage:
+            return f"{name}-{self.lineage}"
+        return name
+
+    def _remove_leftovers(self) -> None:
+        for leftover in self.root.iterdir():
+            if TMP_MARK in leftover.name and leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
 
     def _publish(self, tmp: Path, final: Path, meta: dict[str, Any]) -> None:
         # Every rank's shards are complete (barrier): rank 0 records their checksums for readers.
@@ -432,9 +590,7 @@ class Checkpointer:
             _remove(final)
         os.rename(tmp, final)
         _fsync_dir(self.root)
-        if self.keep > 0:
-            for _, old in complete_checkpoints(self.root)[:-self.keep]:
+        if self.keep > 0:  # only this lineage's: another run's checkpoints are not ours to rotate
+            for old in checkpoints_by_lineage(self.root).get(self.lineage, [])[:-self.keep]:
                 _remove(old)
-        for leftover in self.root.iterdir():
-            if TMP_MARK in leftover.name and leftover.is_dir():
-                shutil.rmtree(leftover, ignore_errors=True)
+        self._remove_leftovers()

@@ -176,13 +176,17 @@ class Trainer:
             cfg, self.run_dir, rank=env.rank, world_size=env.world_size, device=env.device,
             mesh_shape=self.mesh_shape, model_config=model_config,
         )
-        self._setup_data(model_config)
-        self._setup_model(model_config)
-        self._setup_optimizer()
-        if cfg.trainer.compile:
-            self._compile()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self._setup_outputs()
+        try:  # the checkpointer holds checkpoint.dir's lock from here: a failed setup gives it back
+            self._setup_data(model_config)
+            self._setup_model(model_config)
+            self._setup_optimizer()
+            if cfg.trainer.compile:
+                self._compile()
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
+            self._setup_outputs()
+        except BaseException:
+            self.checkpointer.release()
+            raise
 
     # ------------------------------------------------------------------ setup
     def _setup_parallel(self) -> None:
@@ -318,6 +322,7 @@ class Trainer:
         finally:
             self.stop.restore()
             self.writer.close(failed=failed)
+            self.checkpointer.release()
         return summary
 
     def train_step(self, step: int) -> StepResult:
