@@ -3,9 +3,11 @@ diverged checkpoint is refused by name before anything is written."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from nemotron_recipe.config import ConfigError
 from nemotron_recipe.models.nemotron_v3 import PRESETS, CheckpointError, NemotronHForCausalLM
@@ -353,3 +356,30 @@ def test_a_second_run_on_the_same_dir_is_refused_and_a_dead_runs_lock_taken_over
         summary = run(compose_run(tmp_path / "run", *SHORT, "trainer.max_steps=1"))
     assert summary["steps"] == 1 and not lock.exists()
     assert any(f"lock of pid {dead.pid}" in r.getMessage() for r in caplog.records)
+
+
+# ---------------------------------------------------------------------------------------- disk
+def test_a_disk_without_room_is_refused_before_the_first_step_and_stale_tmp_removed(tmp_path, monkeypatch):
+    ckpts = tmp_path / "run" / "checkpoints"
+    (ckpts / "step_000001.tmp-0123456789ab").mkdir(parents=True)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
+    with pytest.raises(CheckpointError) as info:
+        run(compose_run(tmp_path / "run", *SHORT, "trainer.max_steps=1"))
+    for needle in ("no space left", str(ckpts), "needed", "0.0 MiB free", "Fix:"):
+        assert needle in str(info.value), info.value
+    assert not list(ckpts.glob("*.tmp-*")) and not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("failure", [
+    OSError(errno.ENOSPC, "No space left on device"),
+    CheckpointException("save failed", {0: (RuntimeError("[enforce fail at inline_container.cc:595] . unexpected pos"), "")}),
+])
+def test_a_full_disk_during_a_save_says_no_space_left(tmp_path, monkeypatch, failure):
+    def full(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(dcp, "save", full)
+    with pytest.raises(CheckpointError) as info:
+        run(compose_run(tmp_path / "run", *SHORT, "trainer.max_steps=1"))
+    assert "no space left" in str(info.value) and "free now" in str(info.value), info.value
+    assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp-*"))

@@ -313,6 +313,10 @@ def _rng_states(device: torch.device) -> dict[str, torch.Tensor]:
     return states
 
 
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.1f} MiB"
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -527,6 +531,50 @@ class Checkpointer:
         )
         return int(meta["step"])
 
+    # ------------------------------------------------------------------ disk
+    def check_space(self, model: torch.nn.Module) -> None:
+        """Before the first step: refuses a checkpoint.dir without room for one more checkpoint, so a
+        full disk is found now and not at a save hours later. The estimate is conservative: every
+        parameter at its size plus Adam's two fp32 moments, as if one rank wrote it all."""
+        params = list(model.parameters())
+        self.checkpoint_bytes = sum(p.numel() * (p.element_size() + OPTIMIZER_BYTES_PER_ELEMENT) for p in params)
+        self.on_rank0(self._check_space)
+
+    def _check_space(self) -> None:
+        self._remove_leftovers()  # killed saves' leftovers (the lock says no other run writes them)
+        free = shutil.disk_usage(self.root).free
+        if free < self.checkpoint_bytes:
+            raise CheckpointError(
+                f"checkpoint.dir={str(self.root)!r}: no space left for a checkpoint: about "
+                f"{_size(self.checkpoint_bytes)} needed, {_size(free)} free. Fix: free space there or set "
+                "checkpoint.dir to a larger disk (a lower checkpoint.keep frees old checkpoints of this lineage)."
+            )
+
+    def _disk_full_error(self, error: BaseException, tmp: Path) -> CheckpointError | None:
+        """A CheckpointError saying "no space left" with the sizes if `error` is a full disk (DCP wraps the
+        writer's OSError, or reports it as a failed write), else None."""
+        seen, todo = [], [error]
+        while todo:
+            e = todo.pop()
+            if e is None or any(e is s for s in seen):
+                continue
+            seen.append(e)
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                break
+            # CheckpointException.failures maps each failed rank to (exception, traceback).
+            failures = getattr(e, "failures", None) or {}
+            todo += [e.__cause__, e.__context__, *(f[0] if isinstance(f, tuple) else f for f in failures.values())]
+        else:
+            text = " ".join(str(e) for e in seen)
+            if not any(k in text for k in ("No space left", "ENOSPC", "unexpected pos")):
+                return None
+        free = shutil.disk_usage(self.root).free
+        return CheckpointError(
+            f"{tmp}: no space left on the device while saving (about {_size(getattr(self, 'checkpoint_bytes', 0))} "
+            f"per checkpoint, {_size(free)} free now); the earlier checkpoints are intact. Fix: free space in "
+            f"{self.root} or set checkpoint.dir to a larger disk, then resume."
+        )
+
     # ------------------------------------------------------------------ save
     def due(self, step: int, max_steps: int) -> bool:
         return (self.every > 0 and step % self.every == 0) or (self.save_final and step == max_steps)
@@ -542,7 +590,15 @@ class Checkpointer:
             # Per-rank keys: every rank's generator state is kept, not just rank 0's.
             "rng": {f"rank_{self.rank}": _rng_states(self.device)},
         }
-        dcp.save(state, checkpoint_id=str(tmp))
+        try:
+            dcp.save(state, checkpoint_id=str(tmp))
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own type is not an Exception
+            full = self._disk_full_error(e, tmp)
+            if full is None:
+                raise
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise full from None
         spec = os.environ.get(PUBLISH_DELAY_ENV)
         if spec and int(spec.split(":")[0]) == step:
             time.sleep(float(spec.split(":")[1]))

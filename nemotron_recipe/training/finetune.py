@@ -252,6 +252,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, self.cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.cfg.trainer.max_steps)
         self.start_step = self.checkpointer.load(self.model, self.optimizer, self.scheduler)
+        self.checkpointer.check_space(self.model)
         self.step = self.start_step
 
     def _compile(self) -> None:
