@@ -581,8 +581,9 @@ class Checkpointer:
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> Path:
         began = time.perf_counter()
-        name = self.on_rank0(lambda: self._final_name(step))
-        tmp = self.root / f"{name}{TMP_MARK}{uuid.uuid4().hex[:12]}"
+        # Rank 0 names the save: every rank must write its shards into the same directory.
+        name, tmp_name = self.on_rank0(lambda: self._save_names(step))
+        tmp = self.root / tmp_name
         model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
         state = {
             "model": model_sd,
@@ -617,6 +618,10 @@ class Checkpointer:
         self.last_saved = final
         log.info("checkpoint %s written in %.1f s", final, time.perf_counter() - began)
         return final
+
+    def _save_names(self, step: int) -> tuple[str, str]:
+        name = self._final_name(step)
+        return name, f"{name}{TMP_MARK}{uuid.uuid4().hex[:12]}"
 
     def _final_name(self, step: int) -> str:
         """Rank 0: the directory name of this run's checkpoint of `step`, after removing the `.tmp`
