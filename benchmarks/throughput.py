@@ -55,7 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nemotron_recipe.models.nemotron_v3 import PRESETS, NemotronHConfig, NemotronHForCausalLM
 from nemotron_recipe.models.nemotron_v3.checkpoint import hf_to_native
 from nemotron_recipe.models.nemotron_v3.flops import forward_flops, training_flops
-from nemotron_recipe.training.loss import IGNORE_INDEX, cross_entropy_sum, forward_loss_sum, loss_parallel_for
+from nemotron_recipe.training.loss import IGNORE_INDEX, cross_entropy_sum, forward_loss_sum
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -188,9 +188,8 @@ def theirs_step(model, optimizer, ids, targets, options) -> None:
     if isinstance(model.lm_head.weight, torch.distributed.tensor.DTensor) and options.tp > 1:
         # Vocab-sharded logits: transformers' own loss cannot take them, the recipe's can.
         logits = model(input_ids=ids).logits
-        with loss_parallel_for(logits):
-            loss_sum, count = cross_entropy_sum(logits, targets)
-            (loss_sum / count.clamp(min=1)).backward()
+        loss_sum, count = cross_entropy_sum(logits, targets)
+        (loss_sum / count.clamp(min=1)).backward()
     else:
         model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
@@ -523,8 +522,7 @@ def _kept_by_step(model, ids, targets, args) -> int:
     if getattr(out, "loss_sum", None) is not None:
         out.loss_sum.backward()
     else:
-        with loss_parallel_for(out.logits):  # vocab-sharded logits: loss and backward inside it
-            cross_entropy_sum(out.logits, targets)[0].backward()
+        cross_entropy_sum(out.logits, targets)[0].backward()
     model.zero_grad(set_to_none=True)
     return kept
 

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import loss_parallel
+
+from nemotron_recipe.distributed.tensor_parallel import vocab_parallel_cross_entropy
 
 IGNORE_INDEX = -100
 
@@ -18,20 +16,6 @@ def is_vocab_sharded(logits: torch.Tensor) -> bool:
         return False
     vocab_dim = logits.ndim - 1
     return any(isinstance(p, Shard) and p.dim % logits.ndim == vocab_dim for p in logits.placements)
-
-
-@contextlib.contextmanager
-def loss_parallel_for(logits: torch.Tensor) -> Iterator[None]:
-    """`loss_parallel()` when `logits` are sharded over the vocabulary, else nothing.
-
-    The cross-entropy on vocab shards and its backward must both run inside this context, so it
-    wraps the loss and the `backward()` call together. It must not be nested.
-    """
-    if is_vocab_sharded(logits):
-        with loss_parallel():
-            yield
-    else:
-        yield
 
 
 def local_value(t: torch.Tensor) -> torch.Tensor:
@@ -47,15 +31,18 @@ def cross_entropy_sum(
     `logits` is [batch, seq, vocab]; `targets[b, t]` is the token to predict at position t, or
     `ignore_index`. Summing (rather than averaging) lets the caller divide by the global token
     count of the whole step, which keeps the loss independent of how the batch was split.
-    Vocab-sharded DTensor logits must be passed inside `loss_parallel_for(logits)`.
+    Vocab-sharded DTensor logits stay sharded: the loss runs on their shards.
     """
     targets = targets.to(logits.device)
-    if isinstance(logits, DTensor) and not is_vocab_sharded(logits):
+    count = (targets != ignore_index).sum()
+    if is_vocab_sharded(logits):
+        return vocab_parallel_cross_entropy(logits, targets, ignore_index).sum(), count
+    if isinstance(logits, DTensor):
         logits = logits.full_tensor()
     loss = F.cross_entropy(
         logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index, reduction="sum"
     )
-    return loss, (targets != ignore_index).sum()
+    return loss, count
 
 
 def forward_loss_sum(
@@ -68,7 +55,7 @@ def forward_loss_sum(
     backward_denominator: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One micro-batch's (loss sum, trained tokens); with `backward_denominator`, also back-propagates
-    loss_sum / backward_denominator (inside `loss_parallel` when the logits are vocab-sharded).
+    loss_sum / backward_denominator.
 
     `loss_chunk_size` (tokens; 0 or None: off) lets the model compute the loss chunk by chunk
     without full logits. A model whose head is tensor-parallel returns vocab-sharded logits instead,
@@ -83,8 +70,7 @@ def forward_loss_sum(
         if backward_denominator is not None:
             (loss_sum / backward_denominator).backward()
         return loss_sum, count
-    with loss_parallel_for(out.logits):
-        loss_sum, count = cross_entropy_sum(out.logits, targets)
-        if backward_denominator is not None:
-            (loss_sum / backward_denominator).backward()
+    loss_sum, count = cross_entropy_sum(out.logits, targets)
+    if backward_denominator is not None:
+        (loss_sum / backward_denominator).backward()
     return loss_sum, count

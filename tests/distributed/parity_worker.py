@@ -25,7 +25,7 @@ from nemotron_recipe.distributed.plan import DTYPES, ActivationCheckpointing, Pa
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
 from nemotron_recipe.models.nemotron_v3.model import Mamba2Mixer
 from nemotron_recipe.models.nemotron_v3.parallelization import PARALLELIZER
-from nemotron_recipe.training.loss import cross_entropy_sum, local_value, loss_parallel_for
+from nemotron_recipe.training.loss import cross_entropy_sum, local_value
 
 STEPS = 5
 GLOBAL_BATCH = 4
@@ -105,9 +105,8 @@ def train(model, ids, targets, *, dp_rank=0, dp_size=1, dp_group=None, cp=None):
         logits = model(x).logits
         if step == 0:
             first_logits = full(logits).detach().clone()
-        with loss_parallel_for(logits):
-            loss_sum, _ = cross_entropy_sum(logits, y)
-            (loss_sum / count).backward()
+        loss_sum, _ = cross_entropy_sum(logits, y)
+        (loss_sum / count).backward()
         loss_sum = local_value(loss_sum).detach().clone()
         if dp_group is not None:
             dist.all_reduce(loss_sum, group=dp_group)
