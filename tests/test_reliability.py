@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from nemotron_recipe.config import ConfigError
 from nemotron_recipe.models.nemotron_v3 import PRESETS, CheckpointError, NemotronHForCausalLM
-from nemotron_recipe.training.checkpoint import complete_checkpoints, file_checksums
+from nemotron_recipe.training.checkpoint import complete_checkpoints, file_checksums, find_checkpoint
 from nemotron_recipe.training.finetune import Trainer, run
 from nemotron_recipe.training.hf_io import (
     build_meta_model,
@@ -197,16 +197,28 @@ def test_resuming_with_max_steps_at_or_below_the_checkpoint_step_is_refused(tmp_
     assert (tmp_path / "metrics.jsonl").read_text() == written
 
 
-@pytest.mark.distributed
-def test_ctrl_c_of_a_torchrun_group_saves_a_complete_checkpoint(tmp_path):
-    out = tmp_path / "run"
-    # Its own process group, as a terminal gives a launch: Ctrl-C reaches torchrun and every rank.
-    proc = subprocess.Popen(
+def torchrun_recipe(out: Path, *overrides: str, cwd: Path) -> subprocess.Popen:
+    """A 2-rank recipe launch in its own process group, as a terminal gives it: a Ctrl-C of the group
+    reaches torchrun and every rank."""
+    return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "recipes.finetune", *RUN_BASE, *SHORT, "trainer.max_steps=1000", f"hydra.run.dir={out}"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+         "-m", "recipes.finetune", *RUN_BASE, *overrides, f"hydra.run.dir={out}"],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
+
+
+def finished(proc: subprocess.Popen) -> str:
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-3000:]
+    return err
+
+
+@pytest.mark.distributed
+def test_ctrl_c_of_a_torchrun_group_saves_and_the_resumed_run_repeats_the_uninterrupted_losses(tmp_path):
+    common = [*SHORT, "trainer.max_steps=40", "optim.warmup_steps=4", "checkpoint.save_final=false"]
+    out = tmp_path / "split"
+    proc = torchrun_recipe(out, *common, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 120
         while not ((out / "metrics.jsonl").is_file() and '"loss"' in (out / "metrics.jsonl").read_text()):
@@ -214,13 +226,21 @@ def test_ctrl_c_of_a_torchrun_group_saves_a_complete_checkpoint(tmp_path):
             assert time.monotonic() < deadline, "timed out"
             time.sleep(0.1)
         os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=180)  # torchrun's own agent exits 1 on SIGINT; the ranks save
     finally:
         proc.kill()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped"] == "signal" and summary["stop_signal"] == "SIGINT", err[-3000:]
+    assert summary["steps"] < 40, "the run ended before Ctrl-C reached it"
     (step, path), = complete_checkpoints(out / "checkpoints")
     assert step == summary["steps"] and json.loads((path / "meta.json").read_text())["world_size"] == 2
+
+    finished(torchrun_recipe(out, *common, cwd=tmp_path))
+    assert json.loads((out / "summary.json").read_text())["resumed_from"] == step
+    finished(torchrun_recipe(tmp_path / "straight", *common, cwd=tmp_path))
+    split, straight = losses(out), losses(tmp_path / "straight")
+    assert sorted(split) == sorted(straight) == list(range(1, 41))
+    assert split == pytest.approx(straight, rel=1e-6)
 
 
 # ---------------------------------------------------------------------------------------- export
@@ -321,6 +341,17 @@ def test_a_branch_keeps_both_lineages_and_resume_auto_continues_the_newest(tmp_p
                for r in caplog.records)
     assert sorted(p.name for _, p in complete_checkpoints(ckpts)) == ["step_000003", "step_000004", "step_000005"]
     assert json.loads((ckpts / "step_000005" / "meta.json").read_text())["lineage"] == branch["lineage"]
+
+
+def test_a_checkpoint_dir_given_to_export_or_resume_means_the_newest_lineages_newest_checkpoint(tmp_path):
+    ckpts = tmp_path / "checkpoints"
+    for i, (name, lineage) in enumerate([("step_000003", "a" * 12), ("step_000005", "a" * 12), ("step_000004-" + "b" * 12, "b" * 12)]):
+        (ckpts / name).mkdir(parents=True)
+        (ckpts / name / "meta.json").write_text(json.dumps({"lineage": lineage}))
+        os.utime(ckpts / name / "meta.json", ns=(i * 10**9, i * 10**9))
+    # Lineage b branched from step 3 and saved last: its step 4 is newer than a's step 5.
+    assert find_checkpoint(tmp_path) == find_checkpoint(ckpts) == ckpts / ("step_000004-" + "b" * 12)
+    assert find_checkpoint(ckpts / "step_000005") == ckpts / "step_000005"
 
 
 def test_checkpoints_without_a_lineage_are_one_of_their_own(tmp_path):

@@ -181,15 +181,21 @@ def release_lock(lock: Path) -> None:
 
 
 def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory itself, or the newest complete one inside `path` or `path/checkpoints`."""
+    """A checkpoint directory itself, or the newest complete one inside `path` or `path/checkpoints`:
+    the highest step of the lineage that saved last, as `resume=auto` picks it (a branch from an
+    older checkpoint has lower steps than the run it left)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise CheckpointError(f"{p}: does not exist. Fix: point at a `step_N` checkpoint directory or its parent.")
     if (p / META).is_file():
         return p
-    found = complete_checkpoints(p) or complete_checkpoints(p / "checkpoints")
-    if found:
-        return found[-1][1]
+    lineages = checkpoints_by_lineage(p) or checkpoints_by_lineage(p / "checkpoints")
+    if lineages:
+        newest = list(lineages.values())[-1][-1]
+        if len(lineages) > 1:
+            log.info("%s holds %d lineages; taking %s, the newest checkpoint of the one that saved last",
+                     p, len(lineages), newest.name)
+        return newest
     raise CheckpointError(
         f"{p}: not a complete checkpoint (a `step_N` directory holding {META}; a `{TMP_MARK}` directory is "
         "an interrupted save) and no directory inside holds one."
