@@ -55,7 +55,7 @@ def test_validation_batches_fill_up_at_their_own_length():
 
 
 # ---------------------------------------------------------------------------------------- recipe
-SEQ_LEN = 512
+SEQ_LEN = 4096
 RUN = [f"trainer.seq_len={SEQ_LEN}", "trainer.max_steps=2", "trainer.val_every=1", "data.val_max_batches=1"]
 
 
