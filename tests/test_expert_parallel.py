@@ -1,0 +1,31 @@
+"""Expert parallel: rows sent to their experts' ranks and back give the outputs and gradients of
+computing every expert on every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).parent / "distributed" / "expert_parallel_worker.py"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_dispatch_and_combine_match_every_expert_on_every_rank(tmp_path, ranks):
+    out = tmp_path / "ep.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(WORKER), str(out)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    results = json.loads(out.read_text())["ranks"]
+    assert [r["up_shape"][0] for r in results] == [8 // ranks] * ranks
+    assert [r["tokens"] for r in results] == [3 * r for r in range(ranks)]
+    for r, rank in enumerate(results):
+        for key in ("out", "x_grad", "up_grad", "down_grad"):
+            assert rank[key] < 1e-6, (r, key, rank[key])
