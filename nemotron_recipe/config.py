@@ -21,7 +21,7 @@ from omegaconf.errors import InterpolationResolutionError
 
 from nemotron_recipe.distributed.env import launched_world_size
 from nemotron_recipe.distributed.plan import ParallelConfigError, ParallelPlan
-from nemotron_recipe.models.nemotron_v3.checkpoint import weight_file_problem
+from nemotron_recipe.models.nemotron_v3.checkpoint import CheckpointError, checkpoint_weight_dtypes, weight_file_problem
 from nemotron_recipe.models.nemotron_v3.config import ModelConfigError, NemotronHConfig
 
 WANDB_MODES = ("disabled", "offline", "online")
@@ -287,7 +287,11 @@ def build_model_config(model_cfg: Any) -> NemotronHConfig:
                 f"model.pretrained={model_cfg.pretrained!r}: no config.json there. Fix: point it at a "
                 "Hugging Face checkpoint directory, or unset it (model.pretrained=null) to train a preset."
             )
-        return dataclasses.replace(NemotronHConfig.from_hf(str(path)), **overrides)
+        try:  # an export writes each tensor back in the dtype the checkpoint holds it in
+            dtypes = checkpoint_weight_dtypes(str(path))
+        except CheckpointError:
+            dtypes = None  # no weight files: loading them says so, with the fix
+        return dataclasses.replace(NemotronHConfig.from_hf(str(path)), weight_dtypes=dtypes, **overrides)
     return NemotronHConfig.from_preset(model_cfg.preset, **overrides)
 
 

@@ -37,12 +37,13 @@ from nemotron_recipe.data import (
 from nemotron_recipe.distributed.env import DistEnv, distributed
 from nemotron_recipe.distributed.plan import ParallelPlan
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.models.nemotron_v3.mtp import shift_for_mtp
 from nemotron_recipe.training.checkpoint import Checkpointer
 from nemotron_recipe.training.compile import compile_blocks
 from nemotron_recipe.training.cpu_memory import keep_freed_memory
 from nemotron_recipe.training.hf_io import build_meta_model, export_run_checkpoint, load_hf_sharded
 from nemotron_recipe.training.logging import MetricsWriter, TrainMetrics, earlier_val_losses, print_summary
-from nemotron_recipe.training.loss import IGNORE_INDEX, forward_loss_sum, local_value
+from nemotron_recipe.training.loss import IGNORE_INDEX, forward_loss_sum, forward_loss_sums, local_value
 from nemotron_recipe.training.nonfinite import NonFiniteGuard
 from nemotron_recipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from nemotron_recipe.training.preemption import StopConditions
@@ -154,6 +155,7 @@ class StepResult:
     lr: float  # the LR the step was taken with
     grad_norm: torch.Tensor  # the total gradient norm, before clipping
     skipped: bool = False  # not taken: its loss or gradient norm was not finite (trainer.nonfinite=skip)
+    mtp_loss_sum: torch.Tensor | None = None  # this rank's MTP loss sum, when MTP layers are trained
 
 
 class Trainer:
@@ -170,6 +172,9 @@ class Trainer:
     ) -> None:
         self.cfg, self.parallel, self.env, self.started = cfg, plan, env, started
         self.run_dir = Path(cfg.run_dir)
+        # MTP layers train when the model has them and model.mtp_loss_scale is not 0.
+        self.mtp_loss_scale = model_config.effective_mtp_loss_scale
+        self.mtp_depths = model_config.num_nextn_predict_layers if self.mtp_loss_scale else 0
         self._setup_parallel()
         # Before any data or model work: a checkpoint that cannot be resumed fails the run at once.
         self.checkpointer = Checkpointer(
@@ -262,8 +267,9 @@ class Trainer:
         probe = {k: v.to(self.env.device) for k, v in self._collate(first).items()}
 
         def run_probe() -> None:
-            forward_loss_sum(self.model, probe["input_ids"], probe["targets"], document_ids=probe.get("document_ids"),
-                             loss_chunk_size=self.cfg.trainer.loss_chunk_size, backward_denominator=1.0)
+            forward_loss_sums(self.model, probe["input_ids"], probe["targets"], document_ids=probe.get("document_ids"),
+                              loss_chunk_size=self.cfg.trainer.loss_chunk_size, backward_denominator=1.0,
+                              mtp=self._mtp_inputs(probe), mtp_loss_scale=self.mtp_loss_scale)
             self.model.zero_grad(set_to_none=True)
 
         compile_blocks(self.model, probe=run_probe)
@@ -337,11 +343,15 @@ class Trainer:
         trained_tokens = self._global_trained_tokens(micro_batches)
         denominator = max(trained_tokens, 1)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.env.device)
+        mtp_loss_sum = torch.zeros_like(loss_sum) if self.mtp_depths else None
         for batch in micro_batches:
-            loss_sum += self._forward_backward(batch, denominator)
+            main, mtp = self._forward_backward(batch, denominator)
+            loss_sum += main
+            if mtp_loss_sum is not None:
+                mtp_loss_sum += mtp
         grad_norm = clip_grad_norm_(self.params, self.cfg.trainer.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
-        finite = self.guard.step_is_finite(loss_sum, grad_norm)
+        finite = self.guard.step_is_finite(loss_sum if mtp_loss_sum is None else loss_sum + mtp_loss_sum, grad_norm)
         if finite:
             self.optimizer.step()
         else:
@@ -349,7 +359,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(loss_sum=loss_sum, trained_tokens=trained_tokens, lr=lr, grad_norm=grad_norm,
-                          skipped=not finite)
+                          skipped=not finite, mtp_loss_sum=mtp_loss_sum)
 
     def _last_good_checkpoint(self) -> Path | None:
         """The newest checkpoint this run saved or resumed from: every one of them is finite."""
@@ -359,7 +369,15 @@ class Trainer:
         """The micro-batch of the examples at `indices`, padded to its longest row (rounded up so the
         sequence splits over the cp/sp ranks, which read the same rows), cut to this rank's part."""
         batch = collate(self.data.train, indices, self.cfg.trainer.seq_len, self.pad_id, self.parallel.seq_len_divisor)
+        if self.mtp_depths:  # shifted before the sequence is split: a cp rank lacks the tokens after its own
+            batch["mtp_input_ids"], batch["mtp_targets"] = shift_for_mtp(
+                batch["input_ids"], batch["targets"], self.mtp_depths, batch.get("document_ids"), self.pad_id)
         return {k: self.layout.shard(v) for k, v in batch.items()}
+
+    def _mtp_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if "mtp_input_ids" not in batch:
+            return None
+        return batch["mtp_input_ids"].to(self.env.device), batch["mtp_targets"].to(self.env.device)
 
     def _global_trained_tokens(self, micro_batches: list[dict[str, torch.Tensor]]) -> int:
         """The step's trained tokens summed over every rank that holds different tokens."""
@@ -367,27 +385,34 @@ class Trainer:
         counts = torch.tensor([local], dtype=torch.int64, device=self.env.device)
         return int(_all_reduce_sum(counts, self.layout.token_group).item())
 
-    def _forward_backward(self, batch: dict[str, torch.Tensor], denominator: int) -> torch.Tensor:
-        """Back-propagates the micro-batch's loss sum / `denominator`; returns this rank's loss sum."""
+    def _forward_backward(
+        self, batch: dict[str, torch.Tensor], denominator: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Back-propagates the micro-batch's (loss sum + mtp_loss_scale * MTP loss sum) / `denominator`;
+        returns this rank's loss sum and MTP loss sum (None without MTP training)."""
         device = self.env.device
         # Packed batches carry document_ids (already sharded like the inputs); others run the model's
         # single-document path.
         docs = batch.get("document_ids")
-        loss_sum, _ = forward_loss_sum(
+        sums = forward_loss_sums(
             self.model, batch["input_ids"].to(device), batch["targets"].to(device),
             document_ids=None if docs is None else docs.to(device),
             loss_chunk_size=self.cfg.trainer.loss_chunk_size, backward_denominator=denominator,
+            mtp=self._mtp_inputs(batch), mtp_loss_scale=self.mtp_loss_scale,
         )
-        return local_value(loss_sum.detach()).float()
+        mtp = None if sums.mtp_loss_sum is None else local_value(sums.mtp_loss_sum.detach()).float()
+        return local_value(sums.loss_sum.detach()).float(), mtp
 
     def log(self, result: StepResult) -> None:
         """Counts the step just done and writes its metrics row when one is due (the loss is summed
         over ranks for those steps only, and every skipped step gets one), then moves the progress bar."""
         self.metrics.record(result.trained_tokens)
         if self.metrics.due(self.step) or result.skipped:
-            loss = _all_reduce_sum(result.loss_sum, self.layout.token_group) / max(result.trained_tokens, 1)
-            self.metrics.log(self.step, loss=loss.item(), lr=result.lr, grad_norm=result.grad_norm.item(),
-                             skipped=result.skipped)
+            sums = result.loss_sum if result.mtp_loss_sum is None else torch.stack([result.loss_sum, result.mtp_loss_sum])
+            losses = _all_reduce_sum(sums, self.layout.token_group) / max(result.trained_tokens, 1)
+            mtp_loss = None if result.mtp_loss_sum is None else losses[1].item()
+            self.metrics.log(self.step, loss=losses.flatten()[0].item(), lr=result.lr,
+                             grad_norm=result.grad_norm.item(), skipped=result.skipped, mtp_loss=mtp_loss)
         self.writer.advance()
 
     def evaluate(self) -> None:

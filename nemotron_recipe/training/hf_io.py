@@ -36,6 +36,8 @@ from nemotron_recipe.models.nemotron_v3 import CheckpointError, ModelConfigError
 from nemotron_recipe.models.nemotron_v3.checkpoint import (
     mamba_conv_order,
     mamba_in_proj_order,
+    mismatch_message,
+    mixer_tensor,
     safetensors_files,
     weight_file_problem,
 )
@@ -137,9 +139,7 @@ def load_hf_sharded(model: nn.Module, path: str, device: torch.device | str) -> 
             local, box = _local_box(target)
             shape = tuple(target.shape)
             parts = name.split(".")
-            is_mixer = len(parts) > 4 and parts[1] == "layers" and parts[3] == "mixer"
-            suffix = ".".join(parts[4:]) if is_mixer else ""
-            kind = cfg.block_types[int(parts[2])] if is_mixer else None
+            kind, suffix = mixer_tensor(name, cfg)  # main and MTP blocks alike
             source = files.find(name)
 
             if source is None and kind == "moe" and suffix in ("experts.up_proj", "experts.down_proj"):
@@ -173,18 +173,14 @@ def load_hf_sharded(model: nn.Module, path: str, device: torch.device | str) -> 
                 value = files.read(source, box)
             local.copy_(value)
 
-        unexpected = sorted(n for n in files.handles.keys() - files.used if not n.startswith("mtp."))
+        unexpected = sorted(files.handles.keys() - files.used)
     if bad:
         raise CheckpointError(
             f"{path}: tensor shapes differ from the model's (name, file, model): {bad[:6]}"
             f"{' ...' if len(bad) > 6 else ''}"
         )
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{path}: does not match the model built from its config.json: "
-            f"missing {missing[:6]}{' ...' if len(missing) > 6 else ''}, "
-            f"unexpected {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}"
-        )
+    if missing or unexpected:  # every tensor of the checkpoint is loaded or named here
+        raise CheckpointError(mismatch_message(path, missing, unexpected))
 
 
 def load_checkpoint_model(checkpoint: str | Path) -> tuple[NemotronHForCausalLM, dict[str, Any], Path]:

@@ -152,9 +152,13 @@ class TrainMetrics:
     def due(self, step: int) -> bool:
         return step == 1 or step % self.log_every == 0 or step == self.max_steps
 
-    def log(self, step: int, *, loss: float, lr: float, grad_norm: float, skipped: bool = False) -> None:
+    def log(
+        self, step: int, *, loss: float, lr: float, grad_norm: float, skipped: bool = False,
+        mtp_loss: float | None = None,
+    ) -> None:
         """The row of `step`; its throughput covers the steps since the previous row. A step that was
-        not taken (non-finite, `trainer.nonfinite=skip`) is marked `"skipped": true`."""
+        not taken (non-finite, `trainer.nonfinite=skip`) is marked `"skipped": true`. `mtp_loss`: the
+        MTP layers' loss (per trained token, averaged over depths, unscaled), when they are trained."""
         if not skipped:  # the summary's final loss is that of a step that was taken
             self.last_loss = loss
         now = time.perf_counter()
@@ -162,6 +166,7 @@ class TrainMetrics:
         self.writer.log_train({
             "step": step,
             "loss": loss,
+            **({"mtp_loss": mtp_loss} if mtp_loss is not None else {}),
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": self.window_steps * self.tokens_per_step / window_s,

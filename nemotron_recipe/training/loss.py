@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
@@ -45,6 +47,54 @@ def cross_entropy_sum(
     return loss, count
 
 
+@dataclass
+class LossSums:
+    """A micro-batch's token-summed losses: the main one, its trained tokens, and the MTP layers'
+    (summed over tokens, averaged over depths; None when no MTP layer ran)."""
+
+    loss_sum: torch.Tensor
+    count: torch.Tensor
+    mtp_loss_sum: torch.Tensor | None = None
+
+
+def forward_loss_sums(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    document_ids: torch.Tensor | None = None,
+    loss_chunk_size: int | None = None,
+    backward_denominator: float | None = None,
+    mtp: tuple[torch.Tensor, torch.Tensor] | None = None,
+    mtp_loss_scale: float = 0.0,
+) -> LossSums:
+    """One micro-batch's losses; with `backward_denominator`, also back-propagates
+    (loss_sum + mtp_loss_scale * mtp_loss_sum) / backward_denominator.
+
+    `loss_chunk_size` (tokens; 0 or None: off) lets the model compute the loss chunk by chunk
+    without full logits. A model whose head is tensor-parallel returns vocab-sharded logits instead,
+    and the loss then takes the plain path. `mtp`: the MTP layers' (input ids, targets), each
+    [b, l, depths], shifted from the whole sequences (`models.nemotron_v3.mtp.shift_for_mtp`).
+    """
+    kwargs = {} if document_ids is None else {"document_ids": document_ids}
+    if loss_chunk_size:
+        kwargs.update(targets=targets, loss_chunk_size=loss_chunk_size)
+    if mtp is not None:
+        kwargs.update(targets=targets, mtp_input_ids=mtp[0], mtp_targets=mtp[1])
+    out = model(input_ids, **kwargs)
+    if getattr(out, "loss_sum", None) is not None:
+        sums = LossSums(out.loss_sum, out.num_tokens)
+    else:
+        sums = LossSums(*cross_entropy_sum(out.logits, targets))
+    sums.mtp_loss_sum = getattr(out, "mtp_loss_sum", None)
+    if backward_denominator is not None:
+        total = sums.loss_sum
+        if sums.mtp_loss_sum is not None:
+            total = total + mtp_loss_scale * sums.mtp_loss_sum
+        (total / backward_denominator).backward()
+    return sums
+
+
 def forward_loss_sum(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -54,23 +104,7 @@ def forward_loss_sum(
     loss_chunk_size: int | None = None,
     backward_denominator: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One micro-batch's (loss sum, trained tokens); with `backward_denominator`, also back-propagates
-    loss_sum / backward_denominator.
-
-    `loss_chunk_size` (tokens; 0 or None: off) lets the model compute the loss chunk by chunk
-    without full logits. A model whose head is tensor-parallel returns vocab-sharded logits instead,
-    and the loss then takes the plain path.
-    """
-    kwargs = {} if document_ids is None else {"document_ids": document_ids}
-    if loss_chunk_size:
-        kwargs.update(targets=targets, loss_chunk_size=loss_chunk_size)
-    out = model(input_ids, **kwargs)
-    if getattr(out, "loss_sum", None) is not None:
-        loss_sum, count = out.loss_sum, out.num_tokens
-        if backward_denominator is not None:
-            (loss_sum / backward_denominator).backward()
-        return loss_sum, count
-    loss_sum, count = cross_entropy_sum(out.logits, targets)
-    if backward_denominator is not None:
-        (loss_sum / backward_denominator).backward()
-    return loss_sum, count
+    """One micro-batch's (loss sum, trained tokens) of the main head (`forward_loss_sums` without MTP)."""
+    sums = forward_loss_sums(model, input_ids, targets, document_ids=document_ids, loss_chunk_size=loss_chunk_size,
+                             backward_denominator=backward_denominator)
+    return sums.loss_sum, sums.count

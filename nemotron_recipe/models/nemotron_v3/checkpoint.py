@@ -7,7 +7,12 @@ Two layouts exist in the wild, and both load:
 Export writes the released layout, which both `transformers` and the remote-code model read.
 
 The native model differs from both only in the order of the Mamba2 `in_proj` rows and `conv1d`
-channels (group-major, see model.py).
+channels (group-major, see model.py). Multi-token-prediction layers keep their released names
+(`mtp.layers.{i}.*`, experts one tensor each) in every layout.
+
+No weight is left behind: every tensor of a checkpoint is loaded or named in an error, and an export
+writes each tensor back in the dtype its checkpoint had (`weight_dtypes`), so importing and exporting
+without training reproduces the files' tensors bit for bit.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from .config import NemotronHConfig
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
+_INDEX = re.compile(r"\.(layers|experts)\.\d+\.")
 
 
 class CheckpointError(ValueError):
@@ -70,6 +76,44 @@ def _mamba_reorders(cfg: NemotronHConfig) -> dict[str, torch.Tensor]:
             "conv1d.weight": conv, "conv1d.bias": conv}
 
 
+def mixer_tensor(name: str, cfg: NemotronHConfig) -> tuple[str | None, str]:
+    """(block kind, name below `mixer.`) of a native tensor name in a main (`model.layers.{i}`) or MTP
+    (`mtp.layers.{i}`) block's mixer; (None, "") for any other tensor or a block past the config's."""
+    parts = name.split(".")
+    if len(parts) <= 4 or parts[0] not in ("model", "mtp") or parts[1] != "layers" or parts[3] != "mixer":
+        return None, ""
+    kinds = cfg.block_types if parts[0] == "model" else cfg.mtp_block_types
+    i = int(parts[2])
+    return (kinds[i] if i < len(kinds) else None), ".".join(parts[4:])
+
+
+def dtype_template(hf_name: str) -> str:
+    """A checkpoint tensor's name with its block and expert numbers as `*`: tensors of one template
+    share a dtype in the checkpoints seen in the wild, so a few entries record them all."""
+    return _INDEX.sub(lambda m: f".{m.group(1)}.*.", hf_name)
+
+
+def checkpoint_weight_dtypes(path: str) -> dict[str, str]:
+    """The dtype of every tensor template of a Hugging Face directory, read from the file headers."""
+    from safetensors import safe_open
+
+    by_name: dict[str, str] = {}
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                dtype = str(f.get_slice(name).get_dtype())
+                by_name[name] = _SAFETENSORS_DTYPES.get(dtype, dtype)
+    dtypes: dict[str, str] = {}
+    for name, dtype in by_name.items():
+        dtypes.setdefault(dtype_template(name), dtype)
+    # A tensor unlike the others of its template is recorded by its own name.
+    dtypes |= {name: dtype for name, dtype in by_name.items() if dtypes[dtype_template(name)] != dtype}
+    return dtypes
+
+
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+
+
 # ------------------------------------------------------------------------------- state dicts
 def hf_to_native(state: dict[str, torch.Tensor], cfg: NemotronHConfig) -> dict[str, torch.Tensor]:
     """Rename and reorder a Hugging Face state dict (either layout) into native names and order."""
@@ -79,18 +123,13 @@ def hf_to_native(state: dict[str, torch.Tensor], cfg: NemotronHConfig) -> dict[s
     for key, value in state.items():
         if key.startswith("backbone."):
             key = "model." + key[len("backbone."):]
-        if key.startswith("mtp."):
-            continue  # multi-token-prediction heads are not used for fine-tuning
         m = _EXPERT.match(key)
         if m:
             experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = value
             continue
-        parts = key.split(".")
-        if len(parts) > 4 and parts[1] == "layers" and parts[3] == "mixer":
-            block = cfg.block_types[int(parts[2])] if int(parts[2]) < cfg.num_layers else None
-            suffix = ".".join(parts[4:])
-            if block == "mamba" and suffix in reorders:
-                value = value[reorders[suffix]]
+        block, suffix = mixer_tensor(key, cfg)
+        if block == "mamba" and suffix in reorders:
+            value = value[reorders[suffix]]
         out[key] = value
     for prefix, per_expert in experts.items():
         for proj in ("up_proj", "down_proj"):
@@ -106,17 +145,15 @@ def native_to_hf(state: dict[str, torch.Tensor], cfg: NemotronHConfig) -> dict[s
     reorders = {k: torch.argsort(v) for k, v in _mamba_reorders(cfg).items()}
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
-        parts = key.split(".")
-        if len(parts) > 4 and parts[1] == "layers" and parts[3] == "mixer":
-            suffix = ".".join(parts[4:])
-            block = cfg.block_types[int(parts[2])]
-            if block == "mamba" and suffix in reorders:
-                value = value[reorders[suffix]]
-            if block == "moe" and suffix in ("experts.up_proj", "experts.down_proj"):
-                base = "backbone." + ".".join(parts[1:-1])
-                for e in range(value.shape[0]):
-                    out[f"{base}.{e}.{parts[-1]}.weight"] = value[e].contiguous()
-                continue
+        block, suffix = mixer_tensor(key, cfg)
+        if block == "mamba" and suffix in reorders:
+            value = value[reorders[suffix]]
+        if block == "moe" and suffix in ("experts.up_proj", "experts.down_proj"):
+            parts = key.split(".")
+            base = ("backbone." if parts[0] == "model" else "mtp.") + ".".join(parts[1:-1])
+            for e in range(value.shape[0]):
+                out[f"{base}.{e}.{parts[-1]}.weight"] = value[e].contiguous()
+            continue
         if key.startswith("model."):
             key = "backbone." + key[len("model."):]
         out[key] = value.contiguous()
@@ -183,11 +220,10 @@ def load_pretrained(cls, path: str, **config_overrides):
         raise CheckpointError(f"{path}: not a directory; expected a Hugging Face model directory")
     if not os.path.exists(os.path.join(path, "config.json")):
         raise CheckpointError(f"{path}: no config.json; expected a Hugging Face model directory")
-    cfg = NemotronHConfig.from_hf(path)
-    if config_overrides:
-        import dataclasses
+    import dataclasses
 
-        cfg = dataclasses.replace(cfg, **config_overrides)
+    cfg = dataclasses.replace(NemotronHConfig.from_hf(path), weight_dtypes=checkpoint_weight_dtypes(path),
+                              **config_overrides)
     model = cls(cfg)
     load_hf_weights(model, path)
     return model
@@ -200,11 +236,7 @@ def load_hf_weights(model, path: str) -> None:
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise CheckpointError(
-            f"{path}: does not match the model built from its config.json: "
-            f"missing {missing[:6]}{' ...' if len(missing) > 6 else ''}, "
-            f"unexpected {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}"
-        )
+        raise CheckpointError(mismatch_message(path, missing, unexpected))
     bad = [(k, tuple(state[k].shape), tuple(v.shape)) for k, v in expected.items() if state[k].shape != v.shape]
     if bad:
         raise CheckpointError(f"{path}: tensor shapes differ from the model's (name, file, model): {bad[:6]}")
@@ -213,12 +245,40 @@ def load_hf_weights(model, path: str) -> None:
             v.copy_(state[k])
 
 
+def mismatch_message(path: str, missing: list[str], unexpected: list[str]) -> str:
+    """Why a checkpoint's tensors and the model's differ; MTP tensors without MTP layers say how to keep them."""
+    message = (
+        f"{path}: does not match the model built from its config.json: "
+        f"missing {missing[:6]}{' ...' if len(missing) > 6 else ''}, "
+        f"unexpected {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}"
+    )
+    if any(n.startswith("mtp.") for n in unexpected):
+        message += (
+            "; the checkpoint holds multi-token-prediction (mtp.*) tensors the model has no layers for, and they "
+            "would be lost on export. Fix: set num_nextn_predict_layers and mtp_hybrid_override_pattern in its "
+            "config.json (or model.num_nextn_predict_layers / model.mtp_pattern) to match them"
+        )
+    return message
+
+
+def _as_saved(state: dict[str, torch.Tensor], weight_dtypes: dict[str, str] | None) -> dict[str, torch.Tensor]:
+    """Each floating tensor in the dtype its source checkpoint stored it in (when the model came from one)."""
+    if not weight_dtypes:
+        return state
+    out = {}
+    for name, value in state.items():
+        dtype = weight_dtypes.get(name) or weight_dtypes.get(dtype_template(name))
+        out[name] = value.to(getattr(torch, dtype)) if dtype and value.is_floating_point() else value
+    return out
+
+
 def save_pretrained(model, path: str, max_shard_bytes: int = 4 << 30) -> None:
     """Write config.json and safetensors (sharded with an index past `max_shard_bytes`)."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
     state = native_to_hf({k: v.detach().cpu() for k, v in model.state_dict().items()}, model.config)
+    state = _as_saved(state, model.config.weight_dtypes)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for k, v in state.items():

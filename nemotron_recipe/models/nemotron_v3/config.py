@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,9 @@ _HF_BLOCK_TYPES = {
     "moe": "E",
 }
 _TRANSFORMERS_BLOCK_NAMES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+# Fields config.json spells otherwise (the patterns) or does not hold: the MTP loss weight is a
+# training setting, the dtypes come from the weight files.
+NOT_IN_HF_CONFIG = ("pattern", "mtp_pattern", "mtp_loss_scale", "weight_dtypes")
 
 
 class ModelConfigError(ValueError):
@@ -63,6 +67,15 @@ class NemotronHConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
+    # LatentMoE (Nemotron 3 Super/Ultra): routed experts run in a `moe_latent_size` space between a
+    # hidden -> latent and a latent -> hidden projection; None: they run in the hidden size.
+    moe_latent_size: int | None = None
+    # Multi-token prediction: `num_nextn_predict_layers` depths, each a stack of blocks in
+    # `mtp_pattern` (same characters as `pattern`). Depth k predicts token t+1+k.
+    num_nextn_predict_layers: int = 0
+    mtp_pattern: str = "*E"
+    # Weight of the MTP loss in training; None: 0.1 with MTP layers. 0 keeps the MTP weights untrained.
+    mtp_loss_scale: float | None = None
     # Shared.
     mlp_bias: bool = False
     layer_norm_epsilon: float = 1e-5
@@ -71,6 +84,9 @@ class NemotronHConfig:
     pad_token_id: int = 0
     bos_token_id: int = 1
     eos_token_id: int = 2
+    # The dtype of each tensor of the checkpoint the model came from, by name with block and expert
+    # numbers as `*` (checkpoint.dtype_template); an export writes every tensor back in it. Not a setting.
+    weight_dtypes: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -91,6 +107,22 @@ class NemotronHConfig:
     @property
     def mamba_heads_per_group(self) -> int:
         return self.mamba_num_heads // self.n_groups
+
+    @property
+    def mtp_block_types(self) -> list[str]:
+        """The block kinds of the MTP layers, depth after depth (`mtp.layers.{i}`)."""
+        return [BLOCK_TYPES[c] for c in self.mtp_pattern] * self.num_nextn_predict_layers
+
+    @property
+    def moe_hidden_size(self) -> int:
+        """The width the routed experts run in."""
+        return self.moe_latent_size or self.hidden_size
+
+    @property
+    def effective_mtp_loss_scale(self) -> float:
+        if self.mtp_loss_scale is not None:
+            return float(self.mtp_loss_scale)
+        return 0.1 if self.num_nextn_predict_layers else 0.0
 
     # ---------------------------------------------------------------- validation
     def validate(self) -> None:
@@ -115,19 +147,21 @@ class NemotronHConfig:
         ):
             if getattr(self, field) <= 0:
                 fail(field, getattr(self, field), "must be positive", "set a positive integer")
-        if "*" in self.pattern and self.num_attention_heads % self.num_key_value_heads:
+        self._validate_latent_and_mtp(fail)
+        kinds = self.pattern + (self.mtp_pattern if self.num_nextn_predict_layers else "")
+        if "*" in kinds and self.num_attention_heads % self.num_key_value_heads:
             fail(
                 "num_attention_heads", self.num_attention_heads,
                 f"not divisible by num_key_value_heads={self.num_key_value_heads}",
                 "choose query heads that are a multiple of the key/value heads",
             )
-        if "M" in self.pattern and self.mamba_num_heads % self.n_groups:
+        if "M" in kinds and self.mamba_num_heads % self.n_groups:
             fail(
                 "mamba_num_heads", self.mamba_num_heads,
                 f"not divisible by n_groups={self.n_groups}",
                 "choose Mamba heads that are a multiple of the number of groups",
             )
-        if "E" in self.pattern:
+        if "E" in kinds:
             if self.num_experts_per_tok > self.n_routed_experts:
                 fail(
                     "num_experts_per_tok", self.num_experts_per_tok,
@@ -152,6 +186,29 @@ class NemotronHConfig:
                     f"the chosen groups hold fewer experts than num_experts_per_tok={self.num_experts_per_tok}",
                     "raise topk_group or lower num_experts_per_tok",
                 )
+
+    def _validate_latent_and_mtp(self, fail) -> None:
+        latent = self.moe_latent_size
+        if latent is not None and not 0 < latent <= self.hidden_size:
+            fail(
+                "moe_latent_size", latent, f"the latent space must be between 1 and hidden_size={self.hidden_size} wide",
+                f"set 0 < moe_latent_size <= {self.hidden_size}, or null for experts in the hidden size",
+            )
+        if self.num_nextn_predict_layers < 0:
+            fail("num_nextn_predict_layers", self.num_nextn_predict_layers, "must not be negative",
+                 "set 0 (no MTP layers) or the number of MTP depths")
+        if self.num_nextn_predict_layers:
+            bad = sorted({c for c in self.mtp_pattern if c not in BLOCK_TYPES})
+            if not self.mtp_pattern or bad:
+                fail("mtp_pattern", self.mtp_pattern, f"MTP layers need block characters, got unknown {bad}"
+                     if bad else "MTP layers are on but their block pattern is empty",
+                     "use M, *, - and E, e.g. '*E' (attention then MoE, as released)")
+        scale = self.mtp_loss_scale
+        if scale is not None and (scale < 0 or math.isnan(scale)):
+            fail("mtp_loss_scale", scale, "must be a non-negative number", "set 0.1 (the released recipes' value)")
+        if scale and not self.num_nextn_predict_layers:
+            fail("mtp_loss_scale", scale, "the model has no MTP layers (num_nextn_predict_layers=0) to train",
+                 "unset model.mtp_loss_scale, or use a model with MTP layers")
 
     # ---------------------------------------------------------------- constructors
     @classmethod
@@ -193,10 +250,9 @@ class NemotronHConfig:
                 "Hugging Face config has neither 'layers_block_type' nor 'hybrid_override_pattern'; "
                 "it does not describe a Nemotron-H model."
             )
-        if hf.get("moe_latent_size") not in (None, 0):
-            raise ModelConfigError(
-                f"config moe_latent_size={hf['moe_latent_size']}: latent MoE projections are not supported."
-            )
+        if hf.get("moe_latent_size") == 0:
+            hf["moe_latent_size"] = None
+        mtp_pattern = _mtp_pattern_from_hf(hf)
         # Older configs spell some Mamba fields with a `mamba_` prefix.
         aliases = {
             "n_groups": "mamba_n_groups",
@@ -209,8 +265,10 @@ class NemotronHConfig:
             "head_dim": "attention_head_dim",
         }
         kwargs: dict[str, Any] = {"pattern": pattern}
+        if mtp_pattern is not None:
+            kwargs["mtp_pattern"] = mtp_pattern
         for field in dataclasses.fields(cls):
-            if field.name == "pattern":
+            if field.name in NOT_IN_HF_CONFIG:
                 continue
             for key in (field.name, aliases.get(field.name)):
                 if key is not None and hf.get(key) is not None:
@@ -225,7 +283,7 @@ class NemotronHConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json that `transformers.AutoConfig` reads as a NemotronH config."""
-        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "pattern"}
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in NOT_IN_HF_CONFIG}
         out.update(
             architectures=["NemotronHForCausalLM"],
             model_type="nemotron_h",
@@ -234,10 +292,32 @@ class NemotronHConfig:
             tie_word_embeddings=False,
             mlp_hidden_act="relu2",
             mamba_hidden_act="silu",
-            moe_latent_size=None,
             n_shared_experts=1,
+            mtp_layers_block_type=[_TRANSFORMERS_BLOCK_NAMES[c] for c in self.mtp_pattern],
+            mtp_hybrid_override_pattern=self.mtp_pattern,
         )
         return out
+
+
+def _mtp_pattern_from_hf(hf: dict[str, Any]) -> str | None:
+    """The MTP block pattern of a Hugging Face config: `mtp_hybrid_override_pattern` (released configs)
+    or `mtp_layers_block_type` (transformers 5.x); both, when given, must agree."""
+    pattern = hf.get("mtp_hybrid_override_pattern")
+    kinds = hf.get("mtp_layers_block_type")
+    from_kinds = None
+    if kinds:
+        unknown = sorted({k for k in kinds if k not in _HF_BLOCK_TYPES})
+        if unknown:
+            raise ModelConfigError(
+                f"config mtp_layers_block_type has unknown block types {unknown}; known: {sorted(_HF_BLOCK_TYPES)}."
+            )
+        from_kinds = "".join(_HF_BLOCK_TYPES[k] for k in kinds)
+    if pattern and from_kinds and pattern != from_kinds:
+        raise ModelConfigError(
+            f"config mtp_hybrid_override_pattern={pattern!r} contradicts mtp_layers_block_type={kinds} "
+            f"({from_kinds!r}). Fix: keep one of the two in config.json, or make them agree."
+        )
+    return pattern or from_kinds
 
 
 def _released(
@@ -279,5 +359,14 @@ PRESETS: dict[str, NemotronHConfig] = {
         hidden=2688, ffn=1856, heads=32, kv=2, m_heads=64, m_head_dim=64, groups=8, state=128,
         n_routed_experts=128, num_experts_per_tok=6, moe_intermediate_size=1856,
         moe_shared_expert_intermediate_size=3712, routed_scaling_factor=2.5, n_group=1, topk_group=1,
+    ),    # config.json of huggingface.co/nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16 (as reproduced in public
+    # repositories; the same values in its NVFP4 release): 88 blocks (40 Mamba2, 40 LatentMoE, 8 attention),
+    # 512 experts of which 22 per token in a 1024-wide latent space, one MTP depth of attention + MoE.
+    "nemotron3_super_120b_a12b": _released(
+        "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME",
+        hidden=4096, ffn=2688, heads=32, kv=2, m_heads=128, m_head_dim=64, groups=8, state=128,
+        n_routed_experts=512, num_experts_per_tok=22, moe_intermediate_size=2688,
+        moe_shared_expert_intermediate_size=5376, routed_scaling_factor=5.0, n_group=1, topk_group=1,
+        moe_latent_size=1024, num_nextn_predict_layers=1, mtp_pattern="*E",
     ),
 }

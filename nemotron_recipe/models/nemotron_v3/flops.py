@@ -7,6 +7,10 @@ lower triangle with its diagonal, so a kernel that skips the masked half is not 
 that computes it is not rewarded. The SSD terms follow the chunked algorithm: the sequence is
 padded to a whole number of chunks. Backward costs twice the forward (one product for the input
 gradient, one for the weight gradient), so a training step is three forwards.
+
+A model with multi-token-prediction layers has one more kind, `mtp`: each depth's fusion projection,
+its blocks and its pass through the shared head (counted as training runs them: every depth at the
+full sequence length).
 """
 
 from __future__ import annotations
@@ -55,12 +59,14 @@ def mlp_flops(cfg: NemotronHConfig, batch: int, seq_len: int) -> int:
 
 
 def moe_flops(cfg: NemotronHConfig, batch: int, seq_len: int) -> int:
-    """Router, the top-k routed experts each token visits, and the shared expert."""
+    """Router, the top-k routed experts each token visits (in the latent space under LatentMoE, with
+    the projections into and out of it), and the shared expert."""
     tokens, d = batch * seq_len, cfg.hidden_size
     router = 2 * tokens * d * cfg.n_routed_experts
-    routed = cfg.num_experts_per_tok * 2 * 2 * tokens * d * cfg.moe_intermediate_size
+    routed = cfg.num_experts_per_tok * 2 * 2 * tokens * cfg.moe_hidden_size * cfg.moe_intermediate_size
+    latent = 2 * 2 * tokens * d * cfg.moe_latent_size if cfg.moe_latent_size else 0
     shared = 2 * 2 * tokens * d * cfg.moe_shared_expert_intermediate_size
-    return router + routed + shared
+    return router + routed + latent + shared
 
 
 def lm_head_flops(cfg: NemotronHConfig, batch: int, seq_len: int) -> int:
@@ -70,12 +76,22 @@ def lm_head_flops(cfg: NemotronHConfig, batch: int, seq_len: int) -> int:
 _PER_BLOCK = {"mamba": mamba_flops, "attention": attention_flops, "mlp": mlp_flops, "moe": moe_flops}
 
 
+def mtp_flops(cfg: NemotronHConfig, batch: int, seq_len: int) -> int:
+    """All MTP depths: fusion projection [2d -> d], the depth's blocks and the shared head, per depth."""
+    fusion = 2 * batch * seq_len * 2 * cfg.hidden_size * cfg.hidden_size
+    blocks = sum(_PER_BLOCK[kind](cfg, batch, seq_len) for kind in cfg.mtp_block_types)
+    depths = cfg.num_nextn_predict_layers
+    return depths * (fusion + lm_head_flops(cfg, batch, seq_len)) + blocks
+
+
 def forward_flops(cfg: NemotronHConfig, batch: int, seq_len: int) -> dict[str, int]:
     """Forward FLOPs of the whole model by block kind (summed over the blocks of that kind)."""
     out = dict.fromkeys(KINDS, 0)
     for kind in cfg.block_types:
         out[kind] += _PER_BLOCK[kind](cfg, batch, seq_len)
     out["lm_head"] = lm_head_flops(cfg, batch, seq_len)
+    if cfg.num_nextn_predict_layers:
+        out["mtp"] = mtp_flops(cfg, batch, seq_len)
     return out
 
 

@@ -250,11 +250,12 @@ def _grouped_mm_supported(rows: torch.Tensor, up: torch.Tensor) -> bool:
 
 
 class Experts(nn.Module):
-    """Routed ReLU^2 experts stored as stacked weights: up [E, I, D], down [E, D, I]."""
+    """Routed ReLU^2 experts stored as stacked weights: up [E, I, D], down [E, D, I], where D is the
+    latent size under LatentMoE and the hidden size otherwise."""
 
     def __init__(self, config: NemotronHConfig):
         super().__init__()
-        e, d, i = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        e, d, i = config.n_routed_experts, config.moe_hidden_size, config.moe_intermediate_size
         self.up_proj = nn.Parameter(torch.empty(e, i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
 
@@ -280,17 +281,29 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
+    """Router, routed experts and a shared expert. LatentMoE (`moe_latent_size`): the router and the
+    shared expert read the hidden state, the routed experts a projection of it to the latent size,
+    whose sum goes back to the hidden size through one more projection."""
+
     def __init__(self, config: NemotronHConfig):
         super().__init__()
         self.gate = Router(config)
         self.experts = Experts(config)
         self.shared_experts = MLP(config.hidden_size, config.moe_shared_expert_intermediate_size, config.mlp_bias)
+        self.latent = config.moe_latent_size is not None
+        if self.latent:
+            d, latent = config.hidden_size, config.moe_latent_size
+            self.fc1_latent_proj = nn.Linear(d, latent, bias=config.mlp_bias)
+            self.fc2_latent_proj = nn.Linear(latent, d, bias=config.mlp_bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         tokens = hidden.flatten(0, -2)
         weights, idx = self.gate(tokens)
-        routed = self.experts(tokens, weights, idx).view_as(hidden)
-        return routed + self.shared_experts(hidden)
+        if self.latent:
+            routed = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(tokens), weights, idx))
+        else:
+            routed = self.experts(tokens, weights, idx)
+        return routed.view_as(hidden) + self.shared_experts(hidden)
 
 
 _MIXERS = {"mamba": Mamba2Mixer, "attention": Attention, "moe": MoE}
@@ -332,6 +345,8 @@ class CausalLMOutput:
     loss: torch.Tensor | None = None
     loss_sum: torch.Tensor | None = None  # with `targets` and `loss_chunk_size` (then no logits)
     num_tokens: torch.Tensor | None = None
+    # Training with MTP layers: the MTP cross-entropies summed over tokens, averaged over depths.
+    mtp_loss_sum: torch.Tensor | None = None
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -361,6 +376,11 @@ class NemotronHForCausalLM(nn.Module):
         self.config = config
         self.model = NemotronHModel(config)
         self.lm_head = LMHead(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = None
+        if config.num_nextn_predict_layers:
+            from .mtp import MultiTokenPrediction  # it builds on this module's blocks
+
+            self.mtp = MultiTokenPrediction(config)
         self.reset_parameters()
 
     def forward(
@@ -370,23 +390,68 @@ class NemotronHForCausalLM(nn.Module):
         document_ids: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
         loss_chunk_size: int = 0,
+        mtp_input_ids: torch.Tensor | None = None,
+        mtp_targets: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """`labels` as in Hugging Face: aligned with `input_ids`, shifted here, -100 ignored.
         `document_ids` [b,l] marks packed documents, which then never see each other.
 
         `targets` (pre-shifted, as the recipe's batches hold them) with `loss_chunk_size` > 0: the
         output holds `loss_sum` and `num_tokens` of the chunked loss and no logits, unless the head
-        is tensor-parallel (then the logits, as without them)."""
+        is tensor-parallel (then the logits, as without them).
+
+        With MTP layers and a non-zero `mtp_loss_scale`, a training forward given `labels` or
+        `targets` also runs them: the output's `mtp_loss_sum`, and with `labels` a loss of
+        main + mtp_loss_scale * mtp_loss_sum / (main's trained tokens). `mtp_input_ids` and
+        `mtp_targets` [b, l, depths] (`mtp.shift_for_mtp` of the whole sequences) are required when
+        the sequence is split over context-parallel ranks; otherwise they are made here."""
         hidden = self.model(input_ids, document_ids)
+        if labels is not None and targets is None and self._runs_mtp():
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+        mtp_loss_sum = None
+        if targets is not None and self._runs_mtp():
+            mtp_loss_sum = self._mtp_loss_sum(hidden, input_ids, targets, document_ids, mtp_input_ids, mtp_targets,
+                                              loss_chunk_size)
         if targets is not None and loss_chunk_size:
             out = self.lm_head(hidden, targets=targets, chunk_size=loss_chunk_size)
             if isinstance(out, tuple):
-                return CausalLMOutput(logits=None, loss_sum=out[0], num_tokens=out[1])
+                return CausalLMOutput(logits=None, loss_sum=out[0], num_tokens=out[1], mtp_loss_sum=mtp_loss_sum)
             logits = out.float()
         else:
             logits = self.lm_head(hidden).float()
         loss = None if labels is None else causal_lm_loss(logits, labels)
-        return CausalLMOutput(logits=logits, loss=loss)
+        if loss is not None and mtp_loss_sum is not None:
+            trained = (labels[:, 1:] != -100).sum().clamp(min=1)
+            loss = loss + self.config.effective_mtp_loss_scale * mtp_loss_sum / trained
+        return CausalLMOutput(logits=logits, loss=loss, mtp_loss_sum=mtp_loss_sum)
+
+    def _runs_mtp(self) -> bool:
+        """MTP layers run in training only, and not at all with a zero loss scale (their weights are kept)."""
+        return self.mtp is not None and self.training and self.config.effective_mtp_loss_scale > 0
+
+    def _mtp_loss_sum(self, hidden, input_ids, targets, document_ids, mtp_input_ids, mtp_targets, chunk_size):
+        """The MTP depths' token-summed cross-entropies through the shared head, averaged over depths."""
+        if mtp_input_ids is None or mtp_targets is None:
+            if any(getattr(m, "context_parallel", None) is not None for m in self.modules()):
+                raise ValueError("context parallel MTP needs mtp_input_ids and mtp_targets made from the whole "
+                                 "sequences (mtp.shift_for_mtp) before they are split over the cp ranks")
+            from .mtp import shift_for_mtp
+
+            mtp_input_ids, mtp_targets = shift_for_mtp(input_ids, targets, self.mtp.depths, document_ids)
+        per_depth = self.mtp(hidden, mtp_input_ids, self.model.embeddings, document_ids)
+        total = sum(self._head_loss_sum(h, mtp_targets[..., k].contiguous(), chunk_size)
+                    for k, h in enumerate(per_depth))
+        return total / len(per_depth)
+
+    def _head_loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> torch.Tensor:
+        out = self.lm_head(hidden, targets=targets, chunk_size=chunk_size)
+        if isinstance(out, tuple):
+            return out[0]
+        logits = out.float()
+        if isinstance(logits, DTensor):  # vocab-sharded: the loss runs on the shards
+            return vocab_parallel_cross_entropy(logits, targets).sum()
+        return F.cross_entropy(logits.flatten(0, -2), targets.flatten().to(logits.device), ignore_index=-100,
+                               reduction="sum")
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -21,7 +21,12 @@ block kind of the native model:
 - MoE blocks stay replicated across tp ranks (with sequence parallel they gather the sequence
   and hand back their own shard);
 - the embedding is vocab-sharded (rowwise) and `lm_head` colwise with vocab-sharded logits, so the
-  loss runs on vocab shards without gathering the full vocabulary.
+  loss runs on vocab shards without gathering the full vocabulary;
+- LatentMoE's projections into and out of the latent space belong to the MoE block, replicated with it;
+- multi-token-prediction layers (`mtp.layers`) are blocks like the others and take their kind's plan;
+  their fusion (`enorm`, `hnorm`, `eh_proj`) and `final_layernorm` are per-token and replicated, with
+  sequence parallel on the residual stream's sequence shard like the blocks' norms. MTP layers run
+  context parallel, activation checkpointing and FSDP units exactly as the decoder blocks do.
 With sequence parallel the residual stream and the norms hold a sequence shard; each mixer
 gathers the sequence before its input projections and reduce-scatters after its output one.
 
@@ -111,6 +116,12 @@ def _no_cache_in_training(model: nn.Module, container: nn.Module) -> None:
     decoder.register_forward_pre_hook(no_cache, with_kwargs=True)
 
 
+def _mtp_layers(model: nn.Module) -> tuple[nn.Module | None, list[nn.Module]]:
+    """The native model's multi-token-prediction layers (container and list); none for other models."""
+    mtp = getattr(model, "mtp", None) if isinstance(model, NemotronHForCausalLM) else None
+    return (None, []) if mtp is None else (mtp.layers, list(mtp.layers))
+
+
 def _set_block(container: nn.Module, index: int, block: nn.Module) -> None:
     if isinstance(container, nn.ModuleDict):
         key = sorted(container.keys(), key=int)[index]
@@ -179,6 +190,21 @@ def block_plan(
     return styles
 
 
+def mtp_fusion_plan(layer: nn.Module, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The MTP-only modules of an MTP layer: per-token and replicated over tp. With sequence parallel they
+    take the sequence shard (their weight gradients then add up over the tp ranks); the fusion hands the
+    block a plain shard, as the residual stream is between blocks."""
+    if not sequence_parallel:
+        return {}
+    styles: dict[str, ParallelStyle] = {}
+    if getattr(layer, "fuses", False):
+        styles |= {"enorm": SequenceParallel(), "hnorm": SequenceParallel(),
+                   "eh_proj": SequenceParallel(use_local_output=True)}
+    if getattr(layer, "has_final_norm", False):
+        styles["final_layernorm"] = SequenceParallel()
+    return styles
+
+
 def model_plan(model: nn.Module, *, native: bool, sequence_parallel: bool, plan: str) -> dict[str, ParallelStyle]:
     """Embedding, final norm and head, relative to the whole model.
 
@@ -234,7 +260,7 @@ def check_tensor_parallel(model: nn.Module, tp: int, plan, sequence_parallel: bo
 
 def _check_tp_divides(model: nn.Module, tp: int, plan: str, native: bool) -> None:
     cfg = model.config
-    kinds = {_block_kind(b) for b in _decoder_blocks(model)[1]}
+    kinds = {_block_kind(b) for b in _decoder_blocks(model)[1] + _mtp_layers(model)[1]}
 
     def need(field: str, value: int, what: str) -> None:
         if value % tp:
@@ -287,6 +313,7 @@ def apply_tensor_parallel(model, blocks, tp_mesh, plan, sequence_parallel) -> No
     for block in blocks:
         kind = _block_kind(block)
         styles = block_plan(kind, native=native, sequence_parallel=sequence_parallel, plan=plan, key_value=key_value)
+        styles |= mtp_fusion_plan(block, sequence_parallel=sequence_parallel)
         if styles:
             parallelize_module(block, tp_mesh, styles)
         if kind == "attention" and plan == "default" and hasattr(block.mixer, "num_key_value_groups"):
@@ -469,15 +496,19 @@ class NemotronHModelParallelizer(ModelParallelizer):
         except MeshError as err:
             raise ParallelConfigError(str(err)) from None
         container, blocks = _decoder_blocks(model)
+        mtp_container, mtp_blocks = _mtp_layers(model)
 
         if tp > 1:
-            apply_tensor_parallel(model, blocks, tp_mesh, plan, sequence_parallel)
+            apply_tensor_parallel(model, blocks + mtp_blocks, tp_mesh, plan, sequence_parallel)
         if cp > 1:
-            apply_context_parallel(blocks, cp_mesh)
+            apply_context_parallel(blocks + mtp_blocks, cp_mesh)
         _no_cache_in_training(model, container)
-        inner_blocks = list(blocks)
+        inner_blocks = blocks + mtp_blocks
         if ac.mode != "none":
             blocks = apply_activation_checkpointing(container, blocks, ac.mode, ac.every)
+            if mtp_blocks:
+                mtp_blocks = apply_activation_checkpointing(mtp_container, mtp_blocks, ac.mode, ac.every)
+        blocks = blocks + mtp_blocks
         if options.compile:
             apply_compile(inner_blocks)
         if reapply_trainability is not None:
