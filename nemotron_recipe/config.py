@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from nemotron_recipe.distributed.env import launched_world_size
-from nemotron_recipe.distributed.plan import ParallelConfigError, ParallelPlan
+from nemotron_recipe.distributed.plan import ParallelConfigError, ParallelPlan, check_experts_split
 from nemotron_recipe.models.nemotron_v3.checkpoint import CheckpointError, checkpoint_weight_dtypes, weight_file_problem
 from nemotron_recipe.models.nemotron_v3.config import ModelConfigError, NemotronHConfig
 
@@ -118,6 +118,7 @@ class MeshConfig:
     dp_shard: int = -1  # -1: whatever the other sizes leave of the world size
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # expert parallel: ranks of dp_shard x cp that split the routed experts
     sequence_parallel: bool = False
 
 
@@ -399,7 +400,10 @@ def validate_config(cfg: Any) -> tuple[NemotronHConfig, ParallelPlan]:
     errors += _input_problems(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
-    return build_model_config(cfg.model), plan
+    model_config = build_model_config(cfg.model)
+    if problem := check_experts_split(plan.ep, model_config.n_routed_experts, "moe" in model_config.block_types):
+        raise ConfigError(f"invalid configuration:\n  {problem}")
+    return model_config, plan
 
 
 def _batch_split_problems(t: Any, dp_size: int) -> list[str]:

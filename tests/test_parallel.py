@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from nemotron_recipe.distributed import ParallelConfigError, ParallelPlan
+from nemotron_recipe.distributed.plan import check_experts_split
 from nemotron_recipe.models.nemotron_v3 import PRESETS, NemotronHConfig, NemotronHForCausalLM
 from nemotron_recipe.models.nemotron_v3.parallelization import (
     _decoder_blocks,
@@ -186,7 +187,7 @@ def test_unknown_plan_and_sp_misuse_are_clear_errors():
 
 
 def _plan_cfg(seq_len=128, ac="none", every=2, param_dtype="fp32", **mesh):
-    mesh = {"dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 1, "sequence_parallel": False, **mesh}
+    mesh = {"dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 1, "ep": 1, "sequence_parallel": False, **mesh}
     return SimpleNamespace(
         mesh=SimpleNamespace(**mesh), ac=SimpleNamespace(mode=ac, every=every),
         fsdp=SimpleNamespace(param_dtype=param_dtype, reduce_dtype="fp32", offload=False, reshard_after_forward=None),
@@ -206,6 +207,10 @@ def _plan_cfg(seq_len=128, ac="none", every=2, param_dtype="fp32", **mesh):
         (dict(ac="sometimes"), 1, "ac.mode='sometimes'"),
         (dict(ac="every_nth", every=0), 1, "ac.every=0"),
         (dict(param_dtype="fp16"), 1, "fsdp.param_dtype='fp16'"),
+        (dict(ep=3), 4, "mesh.ep=3 does not divide dp_shard x cp = 4 x 1 = 4"),
+        (dict(ep=4, tp=2), 4, "mesh.ep=4 does not divide dp_shard x cp = 2 x 1 = 2"),
+        (dict(ep=0), 2, "mesh.ep=0: must be >= 1"),
+        (dict(ep=4, cp=2), 1, "mesh.cp=2 mesh.ep=4 needs 4 processes"),
     ],
 )
 def test_plan_errors_name_the_field_and_a_fix(settings, world, needle):
@@ -225,6 +230,14 @@ def test_plan_infers_dp_shard_and_sizes_the_data_layout():
     plan = ParallelPlan.from_config(_plan_cfg(dp_replicate=2, tp=2, sequence_parallel=True), 8)
     assert plan.describe() == {"dp_replicate": 2, "dp_shard": 2, "cp": 1, "tp": 2}
     assert (plan.world_size, plan.dp_size, plan.seq_len_divisor) == (8, 4, 2)
+    plan = ParallelPlan.from_config(_plan_cfg(cp=2, ep=4), 8)  # ep takes whole cp groups and dp_shard ranks
+    assert plan.describe() == {"dp_replicate": 1, "dp_shard": 4, "cp": 2, "tp": 1, "ep": 4}
+
+
+def test_experts_that_ep_cannot_split_evenly_are_refused():
+    assert "mesh.ep=2: the model has no MoE block" in check_experts_split(2, 8, has_moe=False)
+    assert "mesh.ep=4 does not divide the model's 6 routed experts" in check_experts_split(4, 6, has_moe=True)
+    assert check_experts_split(2, 6, has_moe=True) is None and check_experts_split(1, 6, has_moe=False) is None
 
 
 class _RemoteBlock(nn.Module):

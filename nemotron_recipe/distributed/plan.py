@@ -9,6 +9,7 @@ sub-meshes the rest of the stack uses.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from .activation_checkpoint import AC_MODES
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+# The routed experts' mesh: `ep` ranks split the experts, `ep_shard` ranks shard each expert (FSDP), both
+# carved out of the data-parallel ranks dp_shard x cp; tp ranks keep whole copies as they do for MoE blocks.
+MOE_MESH_DIMS = ("dp_replicate", "ep_shard", "ep", "tp")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -50,6 +54,7 @@ class ParallelMeshes:
     dp: DeviceMesh
     dp_cp: DeviceMesh
     dp_shard_cp: DeviceMesh
+    moe: DeviceMesh | None = None  # dims MOE_MESH_DIMS, only with expert parallel
 
     @property
     def cp(self) -> DeviceMesh:
@@ -73,6 +78,7 @@ class ParallelPlan:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1
     sequence_parallel: bool = False
     ac: ActivationCheckpointing = ActivationCheckpointing()
     param_dtype: torch.dtype = torch.float32
@@ -92,9 +98,12 @@ class ParallelPlan:
         sp = bool(cfg.mesh.sequence_parallel)
         if problem := check_sequence_parallel(sp, sizes.get("tp", 1)):
             errors.append(problem)
+        ep = int(getattr(cfg.mesh, "ep", 1))
+        if sizes.get("dp_shard", -1) > 0 and (problem := check_expert_parallel(ep, sizes["dp_shard"], sizes["cp"])):
+            errors.append(problem)
         if errors:
             raise ParallelConfigError("invalid parallel settings:\n  " + "\n  ".join(errors))
-        plan = cls(**sizes, sequence_parallel=sp, ac=ac, **dtypes, offload=bool(cfg.fsdp.offload),
+        plan = cls(**sizes, ep=ep, sequence_parallel=sp, ac=ac, **dtypes, offload=bool(cfg.fsdp.offload),
                    reshard_after_forward=cfg.fsdp.reshard_after_forward)
         if problem := plan.check_seq_len(cfg.trainer.seq_len):
             raise ParallelConfigError(problem)
@@ -125,15 +134,42 @@ class ParallelPlan:
     def build_meshes(self, device_type: str = "cpu") -> ParallelMeshes:
         shape = (self.dp_replicate, self.dp_shard, self.cp, self.tp)
         root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        moe = None
+        if self.ep > 1:
+            # Rank order matches `root`'s: ep_shard x ep is dp_shard x cp, split the other way.
+            moe_shape = (self.dp_replicate, self.dp_shard * self.cp // self.ep, self.ep, self.tp)
+            moe = init_device_mesh(device_type, moe_shape, mesh_dim_names=MOE_MESH_DIMS)
         return ParallelMeshes(
             root=root,
             dp=root["dp_replicate", "dp_shard"]._flatten("dp"),
             dp_cp=root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
             dp_shard_cp=root["dp_shard", "cp"]._flatten("dp_shard_cp"),
+            moe=moe,
         )
 
     def describe(self) -> dict[str, int]:
-        return dict(zip(MESH_DIMS, (self.dp_replicate, self.dp_shard, self.cp, self.tp)))
+        sizes = dict(zip(MESH_DIMS, (self.dp_replicate, self.dp_shard, self.cp, self.tp)))
+        return {**sizes, "ep": self.ep} if self.ep > 1 else sizes
+
+
+def check_expert_parallel(ep: int, dp_shard: int, cp: int) -> str | None:
+    if ep < 1:
+        return f"mesh.ep={ep}: must be >= 1. Fix: mesh.ep=1 (every rank holds every expert) or a divisor of dp_shard x cp."
+    if (dp_shard * cp) % ep:
+        return (f"mesh.ep={ep} does not divide dp_shard x cp = {dp_shard} x {cp} = {dp_shard * cp}: expert-parallel "
+                "ranks are carved out of the data-parallel ranks. Fix: choose an ep that divides "
+                f"{dp_shard * cp}, or launch more data-parallel ranks (mesh.dp_shard).")
+    return None
+
+
+def check_experts_split(ep: int, n_routed_experts: int, has_moe: bool) -> str | None:
+    """Whether the model's routed experts can be split over `ep` ranks."""
+    if ep > 1 and not has_moe:
+        return f"mesh.ep={ep}: the model has no MoE block, so there are no experts to split. Fix: mesh.ep=1."
+    if ep > 1 and n_routed_experts % ep:
+        return (f"mesh.ep={ep} does not divide the model's {n_routed_experts} routed experts: each expert-parallel "
+                f"rank holds whole experts. Fix: an ep dividing {n_routed_experts}.")
+    return None
 
 
 def seq_len_divisor(cp: int, sequence_parallel_tp: int = 1) -> int:
@@ -155,12 +191,14 @@ def seq_len_problem(seq_len: int, cp: int, sequence_parallel_tp: int = 1) -> str
 
 def processes_needed(mesh_cfg: Any) -> int:
     """The fewest processes the `mesh` group runs on: the product of its sizes, an inferred dp_shard
-    (-1) counting as 1."""
+    (-1) counting as the fewest ranks that make dp_shard x cp a multiple of `ep`."""
     errors: list[str] = []
     sizes = _given_sizes(mesh_cfg, errors)
     if errors:
         raise ParallelConfigError("\n".join(errors))
-    return sizes["dp_replicate"] * sizes["cp"] * sizes["tp"] * max(sizes["dp_shard"], 1)
+    ep = max(int(getattr(mesh_cfg, "ep", 1)), 1)
+    dp_shard = sizes["dp_shard"] if sizes["dp_shard"] > 0 else ep // math.gcd(ep, sizes["cp"])
+    return sizes["dp_replicate"] * sizes["cp"] * sizes["tp"] * dp_shard
 
 
 def _given_sizes(mesh_cfg: Any, errors: list[str]) -> dict[str, int]:
@@ -180,7 +218,7 @@ def _mesh_sizes(mesh_cfg: Any, world_size: int, errors: list[str]) -> dict[str, 
     others = sizes["dp_replicate"] * sizes["cp"] * sizes["tp"]
     needed = processes_needed(mesh_cfg)
     if world_size == 1 and needed > 1:
-        errors.append(_launch_hint(sizes, needed))
+        errors.append(_launch_hint({**sizes, "ep": int(getattr(mesh_cfg, "ep", 1))}, needed))
     elif sizes["dp_shard"] == -1:
         if world_size % others:
             errors.append(
