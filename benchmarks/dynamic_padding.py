@@ -10,27 +10,28 @@ median over rounds of its training time per step, and the ratio to the first set
 It also runs the largest setting once with every batch padded to `seq_len` (`--padded-steps` steps), the
 cost dynamic padding avoids.
 
-Appends a row to benchmarks/RESULTS.md with the exact command (`--no-record` to skip).
+Appends its rows to a table in benchmarks/RESULTS.md with the exact command (`--no-record` to skip).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import shlex
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
+import torch
 from hydra import compose, initialize_config_dir
 
+from benchmarks.throughput import _append_row, _measured, device_name
 from nemotron_recipe.data import batching
 from nemotron_recipe.training import finetune
 from nemotron_recipe.training.finetune import run
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+HEADER = "| date (commit) | device | config | seq_len | batches padded to | ms/step | vs first | command |"
 
 
 def train_seconds_per_step(seq_len: int, steps: int, run_dir: Path, pad_to_seq_len: bool = False) -> float:
@@ -71,19 +72,14 @@ def main(argv: list[str] | None = None) -> None:
             times[padded] = [train_seconds_per_step(padded[0], args.padded_steps, Path(tmp) / "padded", True)]
 
     base = statistics.median(times[settings[0]])
-    lines = []
+    command = "python -m benchmarks.dynamic_padding " + shlex.join(argv if argv is not None else sys.argv[1:])
     for seq_len, padded in settings:
         t = statistics.median(times[(seq_len, padded)])
-        how = "padded to seq_len" if padded else "padded to the longest row"
-        lines.append(f"seq_len={seq_len} ({how}): {1e3 * t:.1f} ms/step, {t / base:.2f}x seq_len={settings[0][0]}")
-    print("\n".join(lines))
-    if not args.no_record:
-        command = "python -m benchmarks.dynamic_padding " + shlex.join(argv if argv is not None else sys.argv[1:])
-        day = datetime.date.today().isoformat()
-        with RESULTS.open("a") as f:
-            f.write(f"\n- {day} `{command.strip()}` (tiny preset, shipped data, one process, CPU): "
-                    + "; ".join(lines) + "\n")
-
+        how = "seq_len" if padded else "the longest row"
+        print(f"seq_len={seq_len}, padded to {how}: {1e3 * t:.1f} ms/step, {t / base:.2f}x seq_len={settings[0][0]}")
+        if not args.no_record:
+            _append_row(HEADER, f"| {_measured()} | {device_name(torch.device('cpu'))} | tiny, shipped data, 1 process | "
+                                f"{seq_len} | {how} | {1e3 * t:.1f} | {t / base:.2f}x | `{command.strip()}` |")
 
 if __name__ == "__main__":
     main()
