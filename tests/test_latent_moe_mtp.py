@@ -349,7 +349,7 @@ def test_mtp_loss_scale_without_mtp_fails_before_any_work(tmp_path):
 
 def test_mtp_tensors_without_mtp_layers_are_named(mtp_checkpoint, tmp_path):
     """A checkpoint's MTP tensors are never dropped: a config without MTP layers is an error naming them."""
-    with pytest.raises(CheckpointError, match=r"mtp\.layers\.0\..*num_nextn_predict_layers"):
+    with pytest.raises(CheckpointError, match=r"unexpected \['mtp\.layers\.0\..*MTP layers differ"):
         NemotronHForCausalLM.from_pretrained(str(mtp_checkpoint), num_nextn_predict_layers=0)
     from nemotron_recipe.config import build_model_config
 
@@ -357,6 +357,8 @@ def test_mtp_tensors_without_mtp_layers_are_named(mtp_checkpoint, tmp_path):
                                          "model.num_nextn_predict_layers=0").model)
     with pytest.raises(CheckpointError, match=r"unexpected \['mtp\.layers"):
         load_hf_sharded(build_meta_model(cfg), str(mtp_checkpoint), "cpu")
+    with pytest.raises(CheckpointError, match=r"missing \['mtp\.layers\.2.*MTP layers differ"):
+        NemotronHForCausalLM.from_pretrained(str(mtp_checkpoint), mtp_pattern="*E*")
 
 
 # ------------------------------------------------------------------------------------ meshes

@@ -246,17 +246,18 @@ def load_hf_weights(model, path: str) -> None:
 
 
 def mismatch_message(path: str, missing: list[str], unexpected: list[str]) -> str:
-    """Why a checkpoint's tensors and the model's differ; MTP tensors without MTP layers say how to keep them."""
+    """Why a checkpoint's tensors and the model's differ; with MTP tensors among them, how to match the MTP layers."""
     message = (
         f"{path}: does not match the model built from its config.json: "
         f"missing {missing[:6]}{' ...' if len(missing) > 6 else ''}, "
         f"unexpected {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}"
     )
-    if any(n.startswith("mtp.") for n in unexpected):
+    if any(n.startswith("mtp.") for n in missing + unexpected):
         message += (
-            "; the checkpoint holds multi-token-prediction (mtp.*) tensors the model has no layers for, and they "
-            "would be lost on export. Fix: set num_nextn_predict_layers and mtp_hybrid_override_pattern in its "
-            "config.json (or model.num_nextn_predict_layers / model.mtp_pattern) to match them"
+            "; the checkpoint's multi-token-prediction tensors (mtp.*) and the model's MTP layers differ, and "
+            "tensors the model has no place for would be lost on export. Fix: make num_nextn_predict_layers and "
+            "mtp_hybrid_override_pattern in its config.json (or model.num_nextn_predict_layers / model.mtp_pattern) "
+            "match its mtp.layers.* tensors"
         )
     return message
 
