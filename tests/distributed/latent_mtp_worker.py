@@ -1,5 +1,5 @@
 """Runs under torchrun with 2 ranks: a model with LatentMoE and two MTP depths trains on fsdp 2, tp 2 +
-sequence parallel, cp 2 and fsdp 2 with blocks checkpointed, and on one process; writes each case's
+sequence parallel, cp 2, and fsdp 2 and tp 2 + SP with every block checkpointed, and on one process; writes each case's
 losses, MTP losses and first-step gradients to a JSON file for tests/test_latent_moe_mtp.py.
 
     torchrun --standalone --nproc-per-node 2 tests/distributed/latent_mtp_worker.py OUT.json
@@ -36,8 +36,9 @@ CFG = NemotronHConfig(
     mtp_pattern="*E", mtp_loss_scale=0.3,
 )
 # name: (dp_shard, cp, tp, sequence_parallel, ac)
+# AC "full": every block, MTP layers included, is recomputed.
 CASES = {"fsdp2": (2, 1, 1, False, "none"), "tp2_sp": (1, 1, 2, True, "none"), "cp2": (1, 2, 1, False, "none"),
-         "fsdp2_ac": (2, 1, 1, False, "blocks")}
+         "fsdp2_ac": (2, 1, 1, False, "full"), "tp2_sp_ac": (1, 1, 2, True, "full")}
 
 
 def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
