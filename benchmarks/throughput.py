@@ -14,9 +14,12 @@ theirs, ours, ...) and each reports its median, so a machine that other jobs loa
 both alike and the ratio stays meaningful.
 
 MFU divides the model FLOPs (`nemotron_v3/flops.py`) per second by a peak measured in the same run
-on the same device: the best of several large matmuls of the benchmark's dtype.
+on the same device: the best of several large matmuls of the benchmark's dtype. On a GPU of
+`NOMINAL_BF16_FLOPS` running bf16, MFU against the datasheet's dense peak is printed beside it.
 
-Memory, per rank: on CUDA the allocator's peak during one step. On CPU, the peak resident set
+Memory, per rank: on CUDA, each model's peak as if it were alone on the device: its own weights and
+optimizer state plus the allocator's peak during one step above the step's start (both models and
+their optimizers share the device, so the allocator's absolute peak would count the other one). On CPU, the peak resident set
 during one step above the resident set before it (Linux `/proc/self/status` VmHWM, reset through
 `/proc/self/clear_refs`), and the bytes autograd saves for backward (activations).
 
@@ -214,6 +217,24 @@ def timed(step: Callable[[], None], device: torch.device) -> tuple[float, float]
 
 
 # ---------------------------------------------------------------------------------------- measures
+# Dense bf16 tensor-core peaks from NVIDIA's datasheets (without sparsity), by device name; the
+# first key the name contains wins (so "H100 PCIe" before "H100", which reads as the SXM part).
+NOMINAL_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,
+    "A100": 312e12,
+}
+
+
+def nominal_peak_flops(name: str, dtype: torch.dtype) -> float | None:
+    """The datasheet's dense peak for bf16 on the device called `name`; None when not in the table."""
+    if dtype != torch.bfloat16:
+        return None
+    return next((peak for key, peak in NOMINAL_BF16_FLOPS.items() if key in name), None)
+
+
 def peak_matmul_flops(device: torch.device, dtype: torch.dtype, n: int | None = None, reps: int = 5) -> float:
     """Best FLOP/s of an n x n x n matmul of `dtype` on `device` (the MFU denominator)."""
     n = n or (8192 if device.type == "cuda" else 2048)
@@ -285,17 +306,36 @@ def saved_tensor_bytes(model: torch.nn.Module, total: list[int]):
         yield
 
 
-def step_memory(step: Callable[[], None], model: torch.nn.Module, device: torch.device) -> dict[str, int | None]:
-    """Peak memory of one step: CUDA allocator peak, or CPU peak RSS above the pre-step RSS."""
+def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of the storages of the model's parameters, buffers and gradients and of the optimizer's
+    state, each storage counted once (sharded parameters: this rank's shards)."""
+    tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
+    if optimizer is not None:
+        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    seen: dict[int, int] = {}
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def step_memory(step: Callable[[], None], model: torch.nn.Module, device: torch.device,
+                optimizer: torch.optim.Optimizer | None = None) -> dict[str, int | None]:
+    """Peak memory of one step: on CUDA the model's own weights, gradients and optimizer state plus
+    the allocator's peak above the step's start (the peak it would have alone on the device); on CPU
+    the peak RSS above the pre-step RSS."""
     out: dict[str, int | None] = {"peak": None, "activations": None}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
+        own = resident_bytes(model, optimizer)
         torch.cuda.reset_peak_memory_stats(device)
         step()
         torch.cuda.synchronize(device)
-        out["peak"] = torch.cuda.max_memory_allocated(device)
-        out["peak_above_start"] = out["peak"] - base
+        out["peak_above_start"] = torch.cuda.max_memory_allocated(device) - base
+        out["peak"] = own + out["peak_above_start"]
+        out["device_peak"] = torch.cuda.max_memory_allocated(device)  # both models on the device
     else:
         if _reset_hwm() and (before := _rss_hwm()) is not None:
             step()
@@ -429,14 +469,15 @@ def compare(args, cfg, device, parallel) -> dict[str, Any]:
 
     steps: dict[str, Callable[[], None]] = {}
     models = {}
+    optimizers = {}
     if ours is not None:
         opt_o = make_optimizer(ours, args.adamw)
         steps["ours"] = lambda: ours_step(ours, opt_o, ids, targets, args)
-        models["ours"] = ours
+        models["ours"], optimizers["ours"] = ours, opt_o
     if theirs is not None:
         opt_t = make_optimizer(theirs, args.adamw)
         steps["theirs"] = lambda: theirs_step(theirs, opt_t, theirs_ids, targets, args)
-        models["theirs"] = theirs
+        models["theirs"], optimizers["theirs"] = theirs, opt_t
 
     peak = peak_matmul_flops(device, dtype, args.peak_size)
     for _ in range(args.warmup):
@@ -450,17 +491,20 @@ def compare(args, cfg, device, parallel) -> dict[str, Any]:
             times[name].append(wall)
             cpu_times[name].append(cpu)
     peak = max(peak, peak_matmul_flops(device, dtype, args.peak_size))
-    memory = {name: step_memory(step, models[name], device) for name, step in steps.items()}
+    memory = {name: step_memory(step, models[name], device, optimizers[name]) for name, step in steps.items()}
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     tokens = args.batch * args.seq_len * dp
     flops = training_flops(cfg, args.batch * dp, args.seq_len)
-    result: dict[str, Any] = {"peak_flops": peak * world, "flops": flops, "tokens": tokens}
+    nominal = nominal_peak_flops(device_name(device), dtype) if device.type == "cuda" else None
+    result: dict[str, Any] = {"peak_flops": peak * world, "flops": flops, "tokens": tokens,
+                              "nominal_flops": None if nominal is None else nominal * world}
     for name, ts in times.items():
         med = statistics.median(ts)
         result[name] = {
             "median_s": med, "times": ts, "tokens_per_s": tokens / med, "tflops": flops / med / 1e12,
             "mfu": flops / med / (peak * world), "memory": memory[name], "cpu_s": statistics.median(cpu_times[name]),
+            "mfu_nominal": None if nominal is None else flops / med / (nominal * world),
         }
     if "ours" in result and "theirs" in result:
         result["ratio"] = result["ours"]["tokens_per_s"] / result["theirs"]["tokens_per_s"]
@@ -625,22 +669,32 @@ def fast_paths(args) -> str:
     return ", ".join(on)
 
 
+def _mfu_text(r: dict) -> str:
+    """MFU against the measured matmul peak, and against the datasheet's when the device has one."""
+    text = f"MFU {100 * r['mfu']:.1f}% of measured peak"
+    if r.get("mfu_nominal") is not None:
+        text += f", {100 * r['mfu_nominal']:.1f}% of nominal"
+    return text
+
+
 def report_compare(args, cfg, device, result, mesh_desc) -> None:
     print(f"device: {device_name(device)}" + (f" (bf16 matmul: {cpu_bf16_support()})" if device.type == "cpu" else ""))
     print(f"config: {describe(cfg, args.preset)}; batch {args.batch} x seq {args.seq_len}, {args.dtype}, mesh {mesh_desc}")
     fwd = forward_flops(cfg, args.batch, args.seq_len)
     print("forward GFLOP by kind: " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in fwd.items() if v))
+    nominal = result.get("nominal_flops")
     print(f"training step: {result['flops'] / 1e12:.3f} TFLOP; measured peak {result['peak_flops'] / 1e12:.2f} TFLOP/s "
-          f"({args.dtype} matmul)")
+          f"({args.dtype} matmul)" + ("" if nominal is None else f"; nominal peak {nominal / 1e12:.0f} TFLOP/s "
+                                      "(datasheet, dense bf16)"))
     for name in ("ours", "theirs"):
         if name not in result:
             continue
         r = result[name]
         mem = r["memory"]
-        kind = "CUDA max allocated" if device.type == "cuda" else "peak RSS above step start"
+        kind = "CUDA peak alone (own state + step)" if device.type == "cuda" else "peak RSS above step start"
         print(f"{name:>6}: {r['median_s']:.3f} s/step (median of {len(r['times'])}, range {min(r['times']):.3f}-"
               f"{max(r['times']):.3f}; CPU {r['cpu_s']:.3f} s), {r['tokens_per_s']:,.0f} tok/s, "
-              f"{r['tflops']:.3f} TFLOP/s, MFU {100 * r['mfu']:.1f}%, {kind} {_gib(mem['peak'])}, "
+              f"{r['tflops']:.3f} TFLOP/s, {_mfu_text(r)}, {kind} {_gib(mem['peak'])}, "
               f"saved activations {_gib(mem['activations'])}")
     if "per_rank_peak" in result:
         print("per-rank peak: " + "; ".join(
@@ -655,7 +709,7 @@ def report_compare(args, cfg, device, result, mesh_desc) -> None:
             return f"{r['tokens_per_s']:,.0f}"
 
         def tf(r):
-            return f"{r['tflops']:.3f} ({100 * r['mfu']:.1f}%)"
+            return f"{r['tflops']:.3f} ({_mfu_text(r)})"
 
         def mem(r):
             return _gib(r["memory"]["peak"])
