@@ -1,51 +1,143 @@
 #!/usr/bin/env bash
-# One-GPU check for an H200: install, run the tests that exercise CUDA, then time a training step of
-# a 1.1B-parameter model in bf16 against transformers' NemotronH and print MFU. Each stage has a
-# time limit, and the limits add up to 8 minutes.
+# One-GPU check for an H200 image with torch (CUDA), transformers and peft but none of hydra-core,
+# omegaconf, datasets or pytest, and no network: install the missing pure-Python wheels and the
+# project without touching the image's torch, run the tests that exercise CUDA, then time a training
+# step of a 1.1B-parameter model in bf16 against transformers' NemotronH, and print one summary block.
+# Each stage has a time limit; together they stay inside 8 minutes.
 #
-#   bash benchmarks/gpu_check.sh            # from the repository root
+#   bash benchmarks/gpu_check.sh --download   # first, on a machine with network: fills $WHEELS
+#   bash benchmarks/gpu_check.sh --dry-run    # what it would install and run here, nothing done
+#   bash benchmarks/gpu_check.sh              # on the GPU machine, from the repository root
+#
+# --download runs `pip download --only-binary=:all: --python-version 3.12 --no-deps` for the wheels
+# listed in WHEEL_PINS (the versions the CPU install is tested with) and builds antlr4's, which PyPI
+# has as a source archive only, into a pure-Python wheel. Copy the folder along with the repository.
 #
 # Environment:
-#   MAMBA_WHEELS=DIR  install mamba-ssm and causal-conv1d from prebuilt wheels in DIR (their PyPI
-#                     releases are source-only and compile for a long time, so they are never built
-#                     here); without it the check still runs, on the plain PyTorch scan.
+#   WHEELS=DIR        the downloaded wheels (default: wheels/ in the repository, ignored by git).
+#   MAMBA_WHEELS=DIR  prebuilt mamba-ssm and causal-conv1d wheels for the image's torch/CUDA/python,
+#                     installed with --no-deps (mamba-ssm asks for tilelang and quack-kernels, which
+#                     the kernels used here do not need); without them the PyTorch paths run.
 #   SKIP_INSTALL=1    use the current environment as it is.
+#   PYTHON            the interpreter (default python3).
 #   SEQ_LEN, BATCH    shape of the timed steps (default 2048 x 4).
 set -uo pipefail
 
 cd "$(dirname "$0")/.." || exit 1
+PYTHON=${PYTHON:-python3}
+WHEELS=${WHEELS:-wheels}
+WHEEL_PINS=(
+    hydra-core==1.3.8 omegaconf==2.3.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pyarrow==26.0.1
+    pandas==3.1.1 python-dateutil==4.0.0 tzdata==2026.6 xxhash==4.1.0 fsspec==2026.9.0
+    pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 einops==0.8.2
+)
+mode=run
+case "${1:-}" in
+    "") ;;
+    --dry-run) mode=dry ;;
+    --download) mode=download ;;
+    *) echo "usage: bash benchmarks/gpu_check.sh [--dry-run | --download]"; exit 2 ;;
+esac
+
+if [[ $mode == download ]]; then
+    mkdir -p "$WHEELS" || exit 1
+    "$PYTHON" -m pip download --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --no-deps -d "$WHEELS" "${WHEEL_PINS[@]}" || exit 1
+    "$PYTHON" -m pip wheel --no-deps -w "$WHEELS" antlr4-python3-runtime==4.9.3 || exit 1
+    ls "$WHEELS"
+    exit 0
+fi
+
 start=$SECONDS
 status=0
 step() { printf '\n== %s (%ds)\n' "$1" "$((SECONDS - start))"; }
+# run LIMIT CMD...: run under a time limit, or print it (shell-quoted) on a dry run.
+run() {
+    local limit=$1
+    shift
+    if [[ $mode == dry ]]; then
+        printf 'would run (limit %ss):' "$limit"
+        printf ' %q' "$@"
+        printf '\n'
+        return 0
+    fi
+    timeout "$limit" "$@"
+}
+# run_logged LOG LIMIT CMD...: `run`, its output also kept in LOG for the summary.
+run_logged() {
+    local log=$1
+    shift
+    if [[ $mode == dry ]]; then
+        run "$@"
+        return 0
+    fi
+    run "$@" 2>&1 | tee "$log"
+    return "${PIPESTATUS[0]}"
+}
+installed() { "$PYTHON" -c 'import importlib.metadata as m, sys; m.version(sys.argv[1])' "$1" 2>/dev/null; }
 
-step "environment"
-python - <<'PY' || { echo "no usable torch with CUDA"; exit 1; }
+if [[ $mode == run ]]; then
+    step "environment"
+    "$PYTHON" - <<'PY' || { echo "no usable torch with CUDA"; exit 1; }
 import torch
 assert torch.cuda.is_available(), "CUDA is not available"
 print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))
 PY
+fi
 
 if [[ "${SKIP_INSTALL:-0}" != 1 ]]; then
     step "install"
-    # Offline machines keep what is installed; the check says so and goes on.
-    timeout 90 pip install -q -e '.[dev]' || echo "pip install -e '.[dev]' failed; using the installed packages"
+    if ! compgen -G "$WHEELS/*.whl" >/dev/null; then
+        echo "no wheels in $WHEELS/: run 'bash benchmarks/gpu_check.sh --download' on a machine with network" \
+             "and copy $WHEELS/ here (or set WHEELS=DIR, or SKIP_INSTALL=1 to use this environment as it is)"
+        exit 1
+    fi
+    # Only what the image lacks, without dependencies: an installed package (numpy, the image's
+    # torch, ...) is never replaced.
+    missing=()
+    for wheel in "$WHEELS"/*.whl; do
+        name=$(basename "$wheel" | cut -d- -f1)
+        if installed "$name"; then
+            echo "skip $(basename "$wheel"): $name is installed"
+        else
+            missing+=("$wheel")
+        fi
+    done
+    if ((${#missing[@]})); then
+        run 120 "$PYTHON" -m pip install -q --no-deps --no-index "${missing[@]}" || { echo "wheel install failed"; exit 1; }
+    fi
+    # The project on the image's torch: no dependency resolution (the CPU pin would replace it) and
+    # no build isolation (that would fetch setuptools from the network).
+    run 60 "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . || { echo "project install failed"; exit 1; }
     if [[ -n "${MAMBA_WHEELS:-}" ]]; then
-        timeout 60 pip install -q --no-index --find-links "$MAMBA_WHEELS" mamba-ssm causal-conv1d \
-            || echo "no mamba-ssm wheel in $MAMBA_WHEELS for this torch/CUDA/python; using the plain scan"
+        run 60 "$PYTHON" -m pip install -q --no-deps --no-index --find-links "$MAMBA_WHEELS" mamba-ssm causal-conv1d \
+            || echo "no mamba-ssm/causal-conv1d wheel in $MAMBA_WHEELS for this torch/CUDA/python; using the PyTorch paths"
     fi
 fi
-python - <<'PY'
-from nemotron_recipe.models.nemotron_v3 import kernels
-print("mamba_ssm SSD kernels:", "used" if kernels.triton_scan_available() else "not installed (PyTorch scan)")
-print("causal_conv1d kernel:", "used" if kernels._cuda_conv() is not None else "not installed (PyTorch conv)")
-PY
 
-step "tests (CUDA-marked and model parity)"
-timeout 150 python -m pytest -q -x tests/test_perf.py tests/test_model.py || status=1
+log=$(mktemp -d)
+if [[ $mode == run ]]; then
+    "$PYTHON" - <<'PY' | tee "$log/kernels"
+from nemotron_recipe.models.nemotron_v3 import kernels
+print("mamba_ssm SSD kernels:", "used" if kernels.triton_scan_available() else "not usable (PyTorch scan)")
+print("causal_conv1d kernel:", "used" if kernels._cuda_conv() is not None else "not usable (PyTorch conv)")
+PY
+fi
+
+step "tests (GPU readiness, CUDA-marked, parity with transformers)"
+run_logged "$log/tests" 200 "$PYTHON" -m pytest -q tests/test_gpu_ready.py tests/test_perf.py tests/test_model.py \
+    -k "gpu_ready or cuda or transformers" || status=1
 
 step "throughput: gpu_1b, bf16"
-timeout 180 python -m benchmarks.throughput --preset gpu_1b --dtype bf16 --device cuda \
+run_logged "$log/bench" 200 "$PYTHON" -m benchmarks.throughput --preset gpu_1b --dtype bf16 --device cuda \
     --batch "${BATCH:-4}" --seq-len "${SEQ_LEN:-2048}" --warmup 2 --steps 5 || status=1
 
-step "done, status $status"
+if [[ $mode == run ]]; then
+    printf '\n== summary (%ds, status %d)\n' "$((SECONDS - start))" "$status"
+    "$PYTHON" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, torch.cuda.get_device_name(0))'
+    cat "$log/kernels"
+    echo "tests: $(grep -E '(passed|failed|error)' "$log/tests" | tail -1)"
+    grep -E '^(training step|  ours|theirs|ours/theirs)' "$log/bench" || echo "throughput: no result (see above)"
+fi
 exit "$status"

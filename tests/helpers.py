@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -24,6 +23,9 @@ RUN_BASE = [
 
 def compose_run(run_dir: Path, *overrides: str, base: list[str] = RUN_BASE):
     """The recipe's composed config for a run in `run_dir`: `base`, then `overrides`."""
+    # Imported here: the model and kernel tests that use the other helpers run where hydra is absent.
+    from hydra import compose, initialize_config_dir
+
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         return compose(config_name="finetune", overrides=[*base, f"run_dir={run_dir}", *overrides])
 

@@ -200,15 +200,24 @@ def test_cpu_chunk_size_never_exceeds_the_model_chunk():
     assert cpu_chunk_size(128, 64, 64) == 32 and cpu_chunk_size(128, 64, 128) == 64
 
 
+# Triton runs an fp32 `tl.dot` on TF32 operands (10-bit mantissa) unless a kernel asks otherwise, and
+# mamba_ssm's scan kernels do not ask: their fp32 results carry TF32 rounding, 4.6e-3 to 6.6e-3 here
+# when emulated. The bound is TF32's, 2e-2; the PyTorch scan (no mamba_ssm) meets 1e-3.
+TF32_SCAN_TOL = 2e-2
+
+
 @cuda
 def test_cuda_scan_matches_plain_scan():
+    from nemotron_recipe.models.nemotron_v3.kernels import _triton_scan
+
+    tol = TF32_SCAN_TOL if _triton_scan() is not None else 1e-3
     inputs, doc = _scan_inputs(300, dtype=torch.float32, docs=True, seed=7, device="cuda")
     plain = ssd_chunked(*inputs, 64, document_ids=doc)
     fast = ssd_scan(*inputs, 64, doc)  # the Triton kernels when mamba_ssm is installed
-    torch.testing.assert_close(fast.float(), plain, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(fast.float(), plain, rtol=tol, atol=tol)
     grad_y = torch.randn_like(plain)
     for a, b in zip(torch.autograd.grad(fast.float(), inputs, grad_y), torch.autograd.grad(plain, inputs, grad_y)):
-        assert _rel(a, b) <= 1e-3
+        assert _rel(a, b) <= tol
 
 
 @cuda
@@ -219,9 +228,12 @@ def test_cuda_model_matches_cpu_model():
     loss_cpu, grads_cpu = _loss_and_grads(model, ids)
     model.cuda()
     loss_gpu, grads_gpu = _loss_and_grads(model, ids.cuda())
-    assert abs(loss_gpu.item() - loss_cpu.item()) <= 1e-4 * abs(loss_cpu.item())
+    from nemotron_recipe.models.nemotron_v3.kernels import _triton_scan
+
+    tf32 = _triton_scan() is not None  # the Triton scan's TF32 products (TF32_SCAN_TOL)
+    assert abs(loss_gpu.item() - loss_cpu.item()) <= (1e-3 if tf32 else 1e-4) * abs(loss_cpu.item())
     for name, g in grads_cpu.items():
-        assert _rel(grads_gpu[name].cpu(), g) <= 1e-3, name
+        assert _rel(grads_gpu[name].cpu(), g) <= (TF32_SCAN_TOL if tf32 else 1e-3), name
 
 
 # ------------------------------------------------------------------------------------------ loss

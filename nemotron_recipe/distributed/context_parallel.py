@@ -33,13 +33,17 @@ class ContextParallel:
 
 
 # ------------------------------------------------------------------------------- sequence layout
-@lru_cache(maxsize=64)
-def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+# The index tensors below are made on the device they index, once per (length, cp, rank, device),
+# and cached: made on the host they would be copied to the GPU on every call, and again on every
+# activation-checkpoint recompute. They are read only, never written.
+@lru_cache(maxsize=256)
+def zigzag_positions(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Global positions held by `rank`: chunk `rank`, then chunk `2*cp-1-rank`, of 2*cp chunks."""
     if problem := seq_len_problem(seq_len, cp):
         raise ValueError(problem)
     c = seq_len // (2 * cp)
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c, device=device),
+                      torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)])
 
 
 def zigzag_chunks(cp: ContextParallel) -> tuple[int, int]:
@@ -51,18 +55,23 @@ def shard_sequence(t: torch.Tensor, cp: ContextParallel | None, dim: int = 1) ->
     """This rank's zig-zag part of a full-length tensor (inputs, targets, masks)."""
     if cp is None or cp.size == 1:
         return t
-    return t.index_select(dim, zigzag_positions(t.shape[dim], cp.size, cp.rank).to(t.device))
+    return t.index_select(dim, zigzag_positions(t.shape[dim], cp.size, cp.rank, t.device))
 
 
-@lru_cache(maxsize=64)
-def _gathered_positions(local_len: int, cp: int) -> torch.Tensor:
+@lru_cache(maxsize=256)
+def _gathered_positions(local_len: int, cp: int, device: torch.device) -> torch.Tensor:
     """Global position of each element of a rank-ordered gather of the local sequences."""
-    return torch.cat([zigzag_positions(local_len * cp, cp, r) for r in range(cp)])
+    return torch.cat([zigzag_positions(local_len * cp, cp, r, device) for r in range(cp)])
+
+
+@lru_cache(maxsize=256)
+def _time_order(local_len: int, cp: int, device: torch.device) -> torch.Tensor:
+    """Indices that put a rank-ordered gather of the local sequences in time order."""
+    return torch.argsort(_gathered_positions(local_len, cp, device))
 
 
 def _to_time_order(local_len: int, cp: ContextParallel, device: torch.device) -> torch.Tensor:
-    """Indices that put a rank-ordered gather of the local sequences in time order."""
-    return torch.argsort(_gathered_positions(local_len, cp.size)).to(device)
+    return _time_order(local_len, cp.size, device)
 
 
 # ------------------------------------------------------------------------------- gathers
@@ -70,7 +79,9 @@ def gather_sequence(t: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     """The full sequence, in time order, of a [b, l] tensor that needs no gradient (document ids)."""
     local_len = t.shape[1]
     out = torch.empty(cp.size * local_len, t.shape[0], dtype=t.dtype, device=t.device)
-    dist.all_gather_single(out, t.t().contiguous(), group=cp.group)
+    # Recent torch names it all_gather_single and deprecates all_gather_into_tensor; 2.11 has only the latter.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, t.t().contiguous(), group=cp.group)
     return out.index_select(0, _to_time_order(local_len, cp, t.device)).t()
 
 
@@ -107,6 +118,6 @@ def heads_to_sequence(t: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     """The inverse of `sequence_to_heads`: [b, L, H/cp, w] in time order -> [b, L/cp, H, w] of this
     rank's tokens, heads in order."""
     local_len = t.shape[1] // cp.size
-    t = t.index_select(1, _gathered_positions(local_len, cp.size).to(t.device))  # the ranks' zig-zag order
+    t = t.index_select(1, _gathered_positions(local_len, cp.size, t.device))  # the ranks' zig-zag order
     back = _all_to_all(t.unflatten(1, (cp.size, local_len)).permute(1, 0, 2, 3, 4), cp)
     return back.permute(1, 2, 0, 3, 4).flatten(2, 3)

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,8 +57,7 @@ def context_parallel_attention(
         end = (chunk + 1) * c
         q_chunk = F.pad(q[:, :, part * c:(part + 1) * c], (0, 0, end - c, 0))
         if docs is None:
-            out = F.scaled_dot_product_attention(q_chunk, k_all[:, :, :end], v_all[:, :, :end], is_causal=True,
-                                                 enable_gqa=True)
+            out = causal_attention(q_chunk, k_all[:, :, :end], v_all[:, :, :end])
         else:
             # The padded queries take the documents of the positions they stand in for, so every
             # row keeps at least its own key.
@@ -99,7 +99,7 @@ def context_parallel_conv_and_scan(
     packed = torch.cat([x, B, C, dt], dim=-1)  # [b, l, V, rv*p + 2n + rv], V = g*rep virtual groups
 
     got = sequence_to_heads(packed, cp)  # [b, L, V/cp, ...] in time order
-    channels, heads = _virtual_channels(mixer, g, rep, heads_of_rank(packed.shape[2], cp))
+    channels, heads = _virtual_channels(mixer, rep, heads_of_rank(packed.shape[2], cp), packed.device)
     xbc_v, dt_v = got.split([rv * p + 2 * n, rv], dim=-1)
     docs = None if document_ids is None else gather_sequence(document_ids, cp)
     y = mixer.conv_and_scan(xbc_v, dt_v, channels=channels, heads=heads, document_ids=docs)  # [b, L, V/cp, rv*p]
@@ -108,18 +108,28 @@ def context_parallel_conv_and_scan(
     return y.reshape(b, l, g, r * p)
 
 
-def _virtual_channels(mixer: Mamba2Mixer, g: int, rep: int, mine: slice) -> tuple[torch.Tensor, torch.Tensor]:
-    """Conv channels (of the rank's local, group-major conv weight) and heads of the virtual groups `mine`."""
-    r, p, n = mixer.heads_per_group, mixer.head_dim, mixer.state_size
+def _virtual_channels(mixer: Mamba2Mixer, rep: int, mine: slice,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Conv channels (of the rank's local, group-major conv weight) and heads of the virtual groups
+    `mine`, as index tensors on `device` (made once, see `_virtual_indices`)."""
+    return _virtual_indices(mixer.heads_per_group, mixer.head_dim, mixer.state_size, rep, mine.start, mine.stop,
+                            device)
+
+
+@lru_cache(maxsize=256)
+def _virtual_indices(r: int, p: int, n: int, rep: int, start: int, stop: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Made on the device and cached: host-made indices would be copied for every layer's call and
+    again on every activation-checkpoint recompute. Read only."""
     rv = r // rep
     width = r * p + 2 * n
     channels, heads = [], []
-    for vg in range(mine.start, mine.stop):
+    for vg in range(start, stop):
         parent, part = divmod(vg, rep)
         base = parent * width
         channels += [
-            torch.arange(base + part * rv * p, base + (part + 1) * rv * p),
-            torch.arange(base + r * p, base + r * p + 2 * n),
+            torch.arange(base + part * rv * p, base + (part + 1) * rv * p, device=device),
+            torch.arange(base + r * p, base + r * p + 2 * n, device=device),
         ]
-        heads.append(torch.arange(parent * r + part * rv, parent * r + (part + 1) * rv))
+        heads.append(torch.arange(parent * r + part * rv, parent * r + (part + 1) * rv, device=device))
     return torch.cat(channels), torch.cat(heads)

@@ -18,10 +18,14 @@ Shapes: b batch, l sequence, h heads, p head dim, g groups (h = g * r), n state,
 from __future__ import annotations
 
 import functools
+import importlib
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+
+logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------- conv
@@ -73,25 +77,50 @@ class CausalConv1dSiLU(torch.autograd.Function):
         return grad_x.to(x.dtype), grad_w.to(weight.dtype), grad_b, None
 
 
+def _optional_kernel(module: str, name: str):
+    """`module.name`, or None when it cannot be imported. A wheel built for another torch, CUDA or
+    Python fails with OSError (undefined symbol) or RuntimeError rather than ImportError; any
+    failure means the PyTorch path, and the reason is logged once (callers cache the result)."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except Exception as err:  # noqa: BLE001 - a broken extension may raise anything on import
+        if isinstance(err, ModuleNotFoundError) and err.name == module.split(".")[0]:
+            logger.info("%s is not installed; using the PyTorch path", err.name)
+        else:
+            logger.warning("%s.%s is installed but cannot be used (%s: %s); using the PyTorch path instead",
+                           module, name, type(err).__name__, err)
+        return None
+
+
 @functools.cache
 def _cuda_conv():
-    try:
-        from causal_conv1d import causal_conv1d_fn
-    except ImportError:
+    return _optional_kernel("causal_conv1d", "causal_conv1d_fn")
+
+
+_KERNEL_DEVICES = ("cuda",)  # where the installed conv kernel runs (tests add "cpu" with a fake kernel)
+
+
+def _conv_kernel_input(x: torch.Tensor) -> torch.Tensor | None:
+    """x [b, l, C] laid out as `causal_conv1d_fn` takes it in its channels-last mode (the transposed
+    view [b, C, l] with channels contiguous and the batch and time strides multiples of 8), copied
+    when it is a strided view (a rank's one group sliced out of the input projection, or a context-
+    parallel rank's virtual groups), or None when the kernel cannot take C channels (C % 8 != 0)."""
+    if x.shape[-1] % 8:
         return None
-    return causal_conv1d_fn
+    if x.stride(-1) != 1 or x.stride(1) % 8 or x.stride(0) % 8:
+        x = x.contiguous()
+    return x.transpose(1, 2)
 
 
 def causal_conv1d_silu(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, document_ids: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [b, l, C], weight [C, 1, K] or [C, K] -> silu(causal depthwise conv) [b, l, C] in x's dtype."""
-    weight = weight.reshape(weight.shape[0], -1).to(x.dtype)
+    weight = weight.reshape(weight.shape[0], -1).to(x.dtype).contiguous()
     bias = None if bias is None else bias.to(x.dtype)
-    if x.is_cuda and _cuda_conv() is not None:
+    if x.device.type in _KERNEL_DEVICES and _cuda_conv() is not None and (x_t := _conv_kernel_input(x)) is not None:
         seq_idx = None if document_ids is None else document_ids.to(torch.int32).contiguous()
-        # The kernel takes [b, C, l] with channels contiguous: a transposed view of x.
-        return _cuda_conv()(x.transpose(1, 2), weight, bias, seq_idx=seq_idx, activation="silu").transpose(1, 2)
+        return _cuda_conv()(x_t, weight, bias, seq_idx=seq_idx, activation="silu").transpose(1, 2)
     return CausalConv1dSiLU.apply(x, weight, bias, document_ids)
 
 
@@ -108,10 +137,12 @@ def _natural(t: torch.Tensor, length: int) -> torch.Tensor:
     return t.view(b, h, c * q, *t.shape[4:]).transpose(1, 2)[:, :length]
 
 
-# Tokens (summed over the batch) one block of the scan covers on CPU. The scan's temporaries are
-# several times the size of x; past a few tens of MB they fall out of the CPU's caches and every
-# elementwise pass slows down, so a long sequence is scanned block by block with the state carried
-# across, which keeps the cost per token flat in the sequence length. GPUs scan in one block.
+# Tokens (summed over the batch) one block of the scan covers, on every device. The scan's
+# temporaries are several times the size of x: past a few tens of MB they fall out of the CPU's
+# caches and every elementwise pass slows down, and on a GPU one block over a whole long sequence
+# holds them all at once (about 1 GB per Mamba layer at 8k tokens for the 8B model). Block by block,
+# with the state carried across, the cost per token stays flat in the sequence length and the
+# temporaries are those of one block.
 SCAN_BLOCK_TOKENS = 2048
 
 
@@ -250,9 +281,9 @@ def _scan_block_backward(gy, A, D, saved, grad_state_out):
             carried.reshape(b, h, p, n))
 
 
-def _scan_blocks(batch: int, total: int, q: int, device: torch.device) -> list[tuple[int, int]]:
+def _scan_blocks(batch: int, total: int, q: int) -> list[tuple[int, int]]:
     """(start, end) of each block of whole chunks the scan covers at once (`SCAN_BLOCK_TOKENS`)."""
-    block = max(q, SCAN_BLOCK_TOKENS // max(batch, 1) // q * q) if device.type == "cpu" else total
+    block = max(q, SCAN_BLOCK_TOKENS // max(batch, 1) // q * q)
     return [(start, min(start + block, total)) for start in range(0, total, block)]
 
 
@@ -289,7 +320,7 @@ def _scan_forward(
     y = torch.empty(b, l, h, p, dtype=ct, device=x.device)
     state = torch.zeros(b, h, p, n, dtype=ct, device=x.device)
     saved = []
-    for start, end in _scan_blocks(b, x.shape[1], q, x.device):
+    for start, end in _scan_blocks(b, x.shape[1], q):
         doc = doc_before = None
         if document_ids is not None:
             doc = document_ids[:, start:end]
@@ -351,7 +382,7 @@ class SSDChunkScan(torch.autograd.Function):
         y, *saved = scan(x, dt, A, B, C, D, chunk_size, document_ids)
         b, l, h, p = x.shape
         total = l + (-l) % chunk_size
-        ctx.bounds = _scan_blocks(b, total, chunk_size, x.device)
+        ctx.bounds = _scan_blocks(b, total, chunk_size)
         ctx.save_for_backward(A, D, *saved)
         ctx.shape = (b, l, total, h, p, B.shape[2], B.shape[3])
         ctx.dtypes = (x.dtype, dt.dtype, B.dtype, C.dtype)
@@ -386,11 +417,7 @@ class SSDChunkScan(torch.autograd.Function):
 
 @functools.cache
 def _triton_scan():
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except ImportError:
-        return None
-    return mamba_chunk_scan_combined
+    return _optional_kernel("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined")
 
 
 def triton_scan_available() -> bool:

@@ -265,7 +265,10 @@ class Experts(nn.Module):
         flat_idx = idx.flatten()
         order = flat_idx.argsort(stable=True)
         token = order // idx.shape[1]
-        counts = torch.bincount(flat_idx, minlength=up.shape[0])
+        # Counted on the device: bincount reads the largest index back to the host (a sync per layer,
+        # with or without minlength).
+        counts = torch.zeros(up.shape[0], dtype=torch.long, device=flat_idx.device).scatter_add_(
+            0, flat_idx, torch.ones_like(flat_idx))
         rows = x[token]
         if _grouped_mm_supported(rows, up):
             # One grouped GEMM per projection: no per-expert launches and no host sync on the counts.
