@@ -234,6 +234,28 @@ class WandbConfig:
 @dataclass
 class ConsoleConfig:
     progress_bar: bool = True
+PEFT_METHODS = ("none", "lora")
+# The default LoRA targets: every linear projection of every block kind, routed experts included
+# (models/nemotron_v3/lora.py matches them against module names).
+LORA_TARGETS = ["*.in_proj", "*.out_proj", "*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj", "*.up_proj", "*.down_proj"]
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning. `method=none` trains every weight; `lora` trains fp32 low-rank
+    adapters (`rank`, `alpha`: the update is alpha/rank * B A) on the modules `target_modules` (glob
+    patterns over module names) matches, over a frozen base stored in `base_dtype`. `init_from`: a
+    PEFT adapter directory to start from instead of B = 0."""
+
+    method: str = "none"
+    rank: int = 8
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    base_dtype: str = "bf16"
+    init_from: Optional[str] = None
+
+
 
 
 @dataclass
@@ -264,6 +286,7 @@ def register_configs() -> None:
     _register_resolvers()
     ConfigStore.instance().store(name=SCHEMA_NAME, node=FinetuneConfig)
 
+    peft: PeftConfig = field(default_factory=PeftConfig)
 
 register_configs()
 
@@ -410,6 +433,7 @@ def _batch_split_problems(t: Any, dp_size: int) -> list[str]:
     """The global batch must split into whole micro-batches on every data-parallel rank."""
     unit = t.micro_batch_size * dp_size
     if t.global_batch_size % unit == 0:
+    errors += _peft_problems(cfg)
         return []
     lower = t.global_batch_size // unit * unit
     options = " or ".join(str(v) for v in (lower, lower + unit) if v > 0)
@@ -419,3 +443,30 @@ def _batch_split_problems(t: Any, dp_size: int) -> list[str]:
         f"numbers of micro-batches. Fix: set trainer.global_batch_size={options}, or lower "
         "trainer.micro_batch_size."
     ]
+
+
+def _peft_problems(cfg: Any) -> list[str]:
+    """The `peft` group; LoRA's targets are matched against the model's module names (built on the meta
+    device, so no memory and no time)."""
+    p = getattr(cfg, "peft", None)
+    if p is None or p.method == "none":
+        return [] if p is None else _method_problems(p)
+    errors = _method_problems(p)
+    if p.base_dtype not in ("bf16", "fp32"):
+        errors.append(f"peft.base_dtype={p.base_dtype!r}: unknown. Fix: use bf16 or fp32.")
+    _check_path(errors, "peft.init_from", p.init_from, allow_dir=True)
+    if errors:
+        return errors
+    from nemotron_recipe.models.nemotron_v3.lora import LoRAError, lora_spec_problem
+
+    try:
+        problem = lora_spec_problem(build_model_config(cfg.model), p.rank, p.alpha, p.dropout, list(p.target_modules))
+    except (ModelConfigError, LoRAError) as e:
+        problem = str(e)
+    return [problem] if problem else []
+
+
+def _method_problems(p: Any) -> list[str]:
+    errors: list[str] = []
+    _check_choice(errors, "peft.method", p.method, PEFT_METHODS)
+    return errors

@@ -65,6 +65,11 @@ OPTIMIZER_BYTES_PER_ELEMENT = 8
 # Flattened optimizer state names each hyperparameter per parameter name, so the layout of the
 # param groups on the saving side never has to match the loading side's.
 STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# A LoRA run saves and loads its adapters (and buffers) only: the frozen base comes from model.pretrained
+# or the seed, and meta.json's `peft.base` says which. Its optimizer's param groups are the same on every
+# mesh (adapters only), so they are saved once per group rather than once per tensor, which for many
+# small adapters would be most of the checkpoint.
+ADAPTER_STATE_DICT_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 # "STEP:SECONDS": sleep that long after the shards of step STEP are written and before they are
 # published, so a test can kill a run in the one window where a checkpoint is half done.
@@ -312,6 +317,10 @@ def check_tensors(path: Path, metadata: Metadata, state: dict[str, dict[str, Any
         raise CheckpointError(f"{path}: missing tensors {missing[:6]}{' ...' if len(missing) > 6 else ''}")
 
 
+def _describe_base(base: dict[str, Any]) -> str:
+    return base.get("pretrained") or f"preset {base.get('preset')} drawn from seed {base.get('seed')}"
+
+
 def _rng_states(device: torch.device) -> dict[str, torch.Tensor]:
     states = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -363,6 +372,9 @@ class Checkpointer:
         # An export reads the final checkpoint, so asking for one implies saving it.
         self.save_final = c.save_final or c.export_hf
         self.rank, self.world_size, self.device = rank, world_size, device
+        peft = getattr(cfg, "peft", None)
+        self.adapters_only = peft is not None and peft.method != "none"
+        self.options = ADAPTER_STATE_DICT_OPTIONS if self.adapters_only else STATE_DICT_OPTIONS
         self.base_meta = {
             "format": FORMAT_VERSION,
             "world_size": world_size,
@@ -505,7 +517,7 @@ class Checkpointer:
         path, meta = self.resume_from, self.resume_meta
         assert meta is not None
         metadata = read_dcp_metadata(path)
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=self.options)
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         check_tensors(path, metadata, state)
 
@@ -518,8 +530,7 @@ class Checkpointer:
             dcp.load(state, checkpoint_id=str(path))
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own type is not an Exception
             raise CheckpointError(f"{path}: loading failed: {type(e).__name__}: {e}") from None
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                       options=STATE_DICT_OPTIONS)
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=self.options)
         scheduler.load_state_dict(meta["scheduler"])
         if "cpu" in rng:
             torch.set_rng_state(rng["cpu"])
@@ -537,12 +548,37 @@ class Checkpointer:
         )
         return int(meta["step"])
 
+    def check_peft(self, record: dict[str, Any] | None) -> None:
+        """Records this run's `peft` (None: full fine-tuning) for its saves, and refuses a resumed
+        checkpoint of another kind or one whose adapters were trained on another base."""
+        self.base_meta["peft"] = record
+        if self.resume_meta is None:
+            return
+        path, saved = self.resume_from, self.resume_meta.get("peft")
+        if (saved is None) != (record is None):
+            kind = "a LoRA" if saved else "a full fine-tuning"
+            fix = "peft=lora with its settings" if saved else "peft=none"
+            raise CheckpointError(f"{path}: {kind} checkpoint, and this run is {'full fine-tuning' if saved else 'LoRA'}. "
+                                  f"Fix: resume it with {fix}, or start afresh in another checkpoint.dir.")
+        if saved is None:
+            return
+        if saved["base"]["hash"] != record["base"]["hash"]:
+            raise CheckpointError(
+                f"{path}: its adapters were trained on another base ({_describe_base(saved['base'])}, hash "
+                f"{saved['base']['hash']}); this run's base is {_describe_base(record['base'])}, hash "
+                f"{record['base']['hash']}. Fix: resume with the base it was trained on."
+            )
+        diffs = [k for k in ("rank", "alpha", "dropout", "adapted") if saved.get(k) != record.get(k)]
+        if diffs:
+            raise CheckpointError(f"{path}: saved with other LoRA settings ({', '.join(diffs)} differ: "
+                                  f"{[saved.get(k) for k in diffs]}). Fix: resume with the settings it was saved with.")
+
     # ------------------------------------------------------------------ disk
     def check_space(self, model: torch.nn.Module) -> None:
         """Before the first step: refuses a checkpoint.dir without room for one more checkpoint, so a
         full disk is found now and not at a save hours later. The estimate is conservative: every
         parameter at its size plus Adam's two fp32 moments, as if one rank wrote it all."""
-        params = list(model.parameters())
+        params = [p for p in model.parameters() if p.requires_grad or not self.adapters_only]
         self.checkpoint_bytes = sum(p.numel() * (p.element_size() + OPTIMIZER_BYTES_PER_ELEMENT) for p in params)
         self.on_rank0(self._check_space)
 
@@ -590,7 +626,7 @@ class Checkpointer:
         # Rank 0 names the save: every rank must write its shards into the same directory.
         name, tmp_name = self.on_rank0(lambda: self._save_names(step))
         tmp = self.root / tmp_name
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=self.options)
         state = {
             "model": model_sd,
             "optim": optim_sd,

@@ -37,12 +37,14 @@ from nemotron_recipe.data import (
 from nemotron_recipe.distributed.env import DistEnv, distributed
 from nemotron_recipe.distributed.plan import ParallelPlan
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.models.nemotron_v3.lora import add_adapters, freeze_base, is_adapter
 from nemotron_recipe.models.nemotron_v3.mtp import shift_for_mtp
 from nemotron_recipe.training.checkpoint import Checkpointer
 from nemotron_recipe.training.compile import compile_blocks
 from nemotron_recipe.training.cpu_memory import keep_freed_memory
 from nemotron_recipe.training.hf_io import build_meta_model, export_run_checkpoint, load_hf_sharded
 from nemotron_recipe.training.logging import MetricsWriter, TrainMetrics, earlier_val_losses, print_summary
+from nemotron_recipe.training.lora import base_record, lora_spec, peft_record, start_adapters, store_base
 from nemotron_recipe.training.loss import IGNORE_INDEX, forward_loss_sum, forward_loss_sums, local_value
 from nemotron_recipe.training.nonfinite import NonFiniteGuard
 from nemotron_recipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
@@ -241,15 +243,34 @@ class Trainer:
             "model: pattern %s, %.2fM parameters; world size %d, mesh %s",
             model.config.pattern, self.num_parameters / 1e6, self.env.world_size, self.mesh_shape,
         )
-        model = self._parallelize(model)
+        self.lora = lora_spec(cfg)
+        self._check_peft(model)
+        model = self._parallelize(model, reapply_trainability=freeze_base if self.lora else None)
         if cfg.model.pretrained:
             shard_device = torch.device("cpu") if cfg.fsdp.offload else self.env.device
-            if self.checkpointer.resume_from is None:
-                load_hf_sharded(model, cfg.model.pretrained, shard_device)
+            # A LoRA checkpoint holds the adapters only: its base is read from model.pretrained.
+            if self.checkpointer.resume_from is None or self.lora:
+                load_hf_sharded(model, cfg.model.pretrained, shard_device, skip=is_adapter)
             else:  # every tensor comes from the training checkpoint
                 model.to_empty(device=shard_device)
+        if self.lora and self.checkpointer.resume_from is None:
+            start_adapters(model, cfg, self.lora)
         model.train()
         self.model = model
+
+    def _check_peft(self, model: NemotronHForCausalLM) -> None:
+        """LoRA: the base in peft.base_dtype with adapters added (before parallelizing), its record for
+        meta.json; a resumed checkpoint of another kind or base is refused here, before any heavy work."""
+        record = None
+        if self.lora:
+            store_base(model, self.cfg)
+            base = self.checkpointer.on_rank0(lambda: base_record(self.cfg, model))
+            targets = add_adapters(model, self.lora)
+            record = peft_record(self.cfg, self.lora, base, targets)
+            trained = sum(p.numel() for n, p in model.named_parameters() if is_adapter(n))
+            log.info("LoRA: rank %d on %d projections, %.3fM adapter parameters (%.2f%% of the model)",
+                     self.lora.rank, len(targets), trained / 1e6, 100 * trained / self.num_parameters)
+        self.checkpointer.check_peft(record)
 
     def _setup_optimizer(self) -> None:
         """Optimizer and LR schedule; a resumed checkpoint then restores them with the model and sets

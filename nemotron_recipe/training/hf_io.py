@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,10 +118,13 @@ class _SafetensorsIndex:
 
 
 @torch.no_grad()
-def load_hf_sharded(model: nn.Module, path: str, device: torch.device | str) -> None:
+def load_hf_sharded(
+    model: nn.Module, path: str, device: torch.device | str, skip: Callable[[str], bool] | None = None
+) -> None:
     """Allocate `model`'s local shards on `device` and fill every parameter and buffer from `path`.
 
-    `model` is a meta-built, parallelized NemotronHForCausalLM. Raises `CheckpointError` naming the
+    `model` is a meta-built, parallelized NemotronHForCausalLM; tensors whose names `skip` accepts (LoRA
+    adapters) are allocated but not read. Raises `CheckpointError` naming the
     directory and what is missing, left over or of the wrong shape; the same on every rank.
     """
     cfg: NemotronHConfig = model.config
@@ -136,6 +140,8 @@ def load_hf_sharded(model: nn.Module, path: str, device: torch.device | str) -> 
     with contextlib.ExitStack() as stack:
         files = _SafetensorsIndex(path, stack)
         for name, target in targets.items():
+            if skip is not None and skip(name):
+                continue
             local, box = _local_box(target)
             shape = tuple(target.shape)
             parts = name.split(".")
@@ -224,15 +230,20 @@ def _remove_model_files(out: Path) -> None:
             file.unlink()
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = False) -> Path:
+def export_hf(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = False, merge: bool = False) -> Path:
     """Write a training checkpoint as a consolidated Hugging Face directory; returns it.
 
     A non-empty `out_dir` is refused unless `overwrite`, which deletes its weight files (only once
     the checkpoint has loaded) before the new ones are written. A checkpoint holding non-finite
-    values (saved by a diverged run of an older version) is refused before anything is written."""
+    values (saved by a diverged run of an older version) is refused before anything is written.
+    A LoRA checkpoint becomes a PEFT adapter, or with `merge` a model with the adapters folded in."""
     out = Path(out_dir).expanduser()
     _check_export_dir(out, overwrite)
-    model, meta, path = load_checkpoint_model(checkpoint)
+    path = find_checkpoint(checkpoint)
+    meta = read_meta(path)
+    if meta.get("peft") or merge:
+        return _export_lora(path, meta, out, merge=merge)
+    model, meta, path = load_checkpoint_model(path)
     bad = [name for name, t in model.state_dict().items() if t.is_floating_point() and not bool(t.isfinite().all())]
     if bad:
         raise CheckpointError(
@@ -242,6 +253,34 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = 
     if out.is_dir():
         _remove_model_files(out)
     model.save_pretrained(str(out))
+    _save_tokenizer(meta, path, out)
+    log.info("exported %s (step %d) to %s", path, meta["step"], out)
+    return out
+
+
+def _export_lora(path: Path, meta: dict[str, Any], out: Path, *, merge: bool) -> Path:
+    """A LoRA checkpoint as a PEFT adapter, or merged into its base (training/lora.py)."""
+    from nemotron_recipe.training.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, export_lora
+
+    if not meta.get("peft"):
+        raise CheckpointError(
+            f"{path}: --merge applies to LoRA checkpoints; this one is a full fine-tuning checkpoint, which holds "
+            "the whole model already. Fix: export it without --merge."
+        )
+    verify_checksums(path, meta)
+    read_dcp_metadata(path)
+    staged = export_lora(path, meta, merge=merge)  # everything is loaded and merged before a file is written
+    out.mkdir(parents=True, exist_ok=True)
+    _remove_model_files(out)
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        (out / name).unlink(missing_ok=True)
+    staged(out)
+    _save_tokenizer(meta, path, out)
+    log.info("exported %s (step %d, LoRA%s) to %s", path, meta["step"], ", merged" if merge else "", out)
+    return out
+
+
+def _save_tokenizer(meta: dict[str, Any], path: Path, out: Path) -> None:
     tokenizer = meta.get("tokenizer")
     if tokenizer and Path(tokenizer).exists():
         # Imported here: the data package loads transformers and datasets, which only this line needs.
@@ -250,8 +289,6 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = 
         load_tokenizer(tokenizer).save_pretrained(str(out))
     else:
         log.warning("tokenizer %r recorded in %s no longer exists: exported the weights without it", tokenizer, path)
-    log.info("exported %s (step %d) to %s", path, meta["step"], out)
-    return out
 
 
 def export_run_checkpoint(checkpointer: Checkpointer, out_dir: Path) -> Path:

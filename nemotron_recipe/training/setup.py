@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,9 +15,13 @@ from nemotron_recipe.distributed.plan import ParallelMeshes, ParallelPlan
 from nemotron_recipe.models.nemotron_v3.parallelization import PARALLELIZER
 
 
-def parallelize_model(model: nn.Module, plan: ParallelPlan, meshes: ParallelMeshes) -> nn.Module:
-    """Apply the plan's TP/SP/CP/AC/FSDP2 with the model's own parallelizer."""
-    model = PARALLELIZER.parallelize(model, plan, meshes)
+def parallelize_model(
+    model: nn.Module, plan: ParallelPlan, meshes: ParallelMeshes,
+    reapply_trainability: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
+    """Apply the plan's TP/SP/CP/AC/FSDP2 with the model's own parallelizer. `reapply_trainability`
+    (LoRA's freezing) runs once tensor parallel has replaced the parameters, before FSDP."""
+    model = PARALLELIZER.parallelize(model, plan, meshes, reapply_trainability=reapply_trainability)
     # Each micro-batch's loss is already divided by the token count of the whole global batch, so
     # the data-parallel ranks' gradients add up to the batch's gradient: sum them, do not average.
     sum_data_parallel_gradients(model)

@@ -249,6 +249,14 @@ def _grouped_mm_supported(rows: torch.Tensor, up: torch.Tensor) -> bool:
             and rows.shape[-1] % 8 == 0 and up.shape[1] % 8 == 0)
 
 
+def expert_matmul(rows: torch.Tensor, weight: torch.Tensor, groups: torch.Tensor | list[int]) -> torch.Tensor:
+    """rows [t, in] sorted by expert times each expert's weight [E, out, in]^T -> [t, out]. `groups`:
+    each expert's end row (int32 tensor: one grouped GEMM) or row count (list: a matmul per expert)."""
+    if isinstance(groups, torch.Tensor):
+        return F.grouped_mm(rows, weight.transpose(-2, -1), offs=groups)
+    return torch.cat([F.linear(part, weight[e]) for e, part in enumerate(rows.split(groups)) if groups[e]])
+
+
 class Experts(nn.Module):
     """Routed ReLU^2 experts stored as stacked weights: up [E, I, D], down [E, D, I], where D is the
     latent size under LatentMoE and the hidden size otherwise."""
@@ -270,15 +278,17 @@ class Experts(nn.Module):
         counts = torch.zeros(up.shape[0], dtype=torch.long, device=flat_idx.device).scatter_add_(
             0, flat_idx, torch.ones_like(flat_idx))
         rows = x[token]
-        if _grouped_mm_supported(rows, up):
-            # One grouped GEMM per projection: no per-expert launches and no host sync on the counts.
-            ends = counts.cumsum(0).to(torch.int32)
-            hidden = F.relu(F.grouped_mm(rows, up.transpose(-2, -1), offs=ends)).square()
-            routed = F.grouped_mm(hidden, down.transpose(-2, -1), offs=ends)
-        else:
-            counts = counts.tolist()
-            routed = torch.cat([F.linear(F.relu(F.linear(part, up[e])).square(), down[e])
-                                for e, part in enumerate(rows.split(counts)) if counts[e]])
+        lora = self._modules.get("lora")  # per-expert LoRA adapters (lora.py), when fine-tuned with LoRA
+        # One grouped GEMM per projection where supported: no per-expert launches and no host sync on
+        # the counts; otherwise one matmul per expert.
+        groups = counts.cumsum(0).to(torch.int32) if _grouped_mm_supported(rows, up) else counts.tolist()
+        hidden = expert_matmul(rows, up, groups)
+        if lora is not None and "up_proj" in lora:
+            hidden = lora["up_proj"](hidden, rows, groups)
+        hidden = F.relu(hidden).square()
+        routed = expert_matmul(hidden, down, groups)
+        if lora is not None and "down_proj" in lora:
+            routed = lora["down_proj"](routed, hidden, groups)
         routed = routed * weights.flatten()[order, None]
         return torch.zeros(x.shape, dtype=routed.dtype, device=x.device).index_add_(0, token, routed).to(x.dtype)
 

@@ -77,6 +77,7 @@ logger = logging.getLogger(__name__)
 # Block-type names of the native model, transformers 5.x and the remote-code model, normalised.
 _KINDS = {
     "mamba": "mamba", "linear_attention": "mamba", "M": "mamba",
+from .lora import adapter_styles
     "attention": "attention", "full_attention": "attention", "*": "attention",
     "mlp": "mlp", "-": "mlp",
     "moe": "moe", "E": "moe",
@@ -323,6 +324,7 @@ def apply_tensor_parallel(model, blocks, tp_mesh, plan, sequence_parallel) -> No
     model_styles = model_plan(model, native=native, sequence_parallel=sequence_parallel, plan=plan)
     parallelize_module(model, tp_mesh, model_styles)
     logger.info(
+        styles = adapter_styles(block, styles)  # LoRA adapters sharded like their base projections
         "tensor parallel: plan %r over %d ranks%s%s", plan, tp, ", sequence parallel" if sequence_parallel else "",
         f", each of {kv_heads} key/value heads on {tp // kv_heads} ranks" if key_value else "",
     )

@@ -1,0 +1,420 @@
+"""LoRA adapters on every linear projection of every Nemotron-H block kind.
+
+An adapted projection computes `W x + (alpha / r) * B A x` with the base `W` frozen and `A` [r, in],
+`B` [out, r] trained in fp32. `B` starts at zero, so an adapted model starts as its base exactly.
+
+- Linear projections (Mamba2 `in_proj`/`out_proj`, attention q/k/v/o, MLP and shared-expert up/down)
+  become `LoRALinear`: the same `nn.Linear` (its `weight` keeps its name and its tensor-parallel
+  style) with two children, `lora_A` and `lora_B`, named as PEFT names them.
+- Routed experts, stored stacked ([E, out, in]), get per-expert adapters `A` [E, r, in] and `B`
+  [E, out, r] in an `ExpertAdapters` child that the experts' grouped GEMM path calls: two more
+  grouped GEMMs per projection, no loop over experts.
+
+Under tensor parallel an adapter is sharded like its base: a colwise base gets `B` colwise and `A`
+replicated, a rowwise base `A` rowwise and `B` replicated, so the adapter's output has the base's
+layout and needs no collective of its own (`adapter_styles`).
+
+Adapters are initialised after the model is parallelized and its base loaded (`init_adapters`): every
+rank draws the full tensors from one seed and keeps its own slice, so any mesh trains the same
+adapters. The name and layout conversions to a PEFT adapter of transformers' `NemotronHForCausalLM`
+(`to_peft` / `from_peft`) live here too, beside the model's own checkpoint conversions.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+)
+
+from .checkpoint import mamba_in_proj_order
+from .config import ModelConfigError, NemotronHConfig
+from .model import Experts, NemotronHForCausalLM, expert_matmul
+
+# Every linear projection of every block kind; routed experts (`experts.up_proj`) included.
+DEFAULT_TARGETS = ("*.in_proj", "*.out_proj", "*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj", "*.up_proj",
+                   "*.down_proj")
+# Path components that mark a parameter as an adapter's.
+ADAPTER_PARTS = ("lora_A", "lora_B", "lora")
+_EXPERT_PROJS = ("up_proj", "down_proj")
+
+
+class LoRAError(ModelConfigError):
+    """LoRA settings or an adapter that do not fit the model; names the field or file and a fix."""
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    rank: int = 8
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or self.rank <= 0:
+            raise LoRAError(f"peft.rank={self.rank!r}: must be a positive integer. Fix: e.g. peft.rank=8.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise LoRAError(f"peft.dropout={self.dropout!r}: must lie in [0, 1). Fix: e.g. peft.dropout=0.0.")
+        if not self.target_modules:
+            raise LoRAError("peft.target_modules is empty: nothing would be trained. Fix: name at least one pattern.")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def is_adapter(name: str) -> bool:
+    """Whether the parameter `name` belongs to an adapter (wrapper prefixes do not matter)."""
+    return any(part in ADAPTER_PARTS for part in name.split("."))
+
+
+# ------------------------------------------------------------------------------- modules
+class LoRALinear(nn.Linear):
+    """An `nn.Linear` carrying a low-rank update; made by `adapt_linear`, never built directly."""
+
+    scaling: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        dtype = self.lora_A.weight.dtype
+        delta = self.lora_B(self.lora_A(self.lora_dropout(x.to(dtype))))
+        return out + (delta * self.scaling).to(out.dtype)
+
+
+def adapt_linear(linear: nn.Linear, spec: LoRASpec) -> LoRALinear:
+    """Gives `linear` (in place) fp32 adapters, left uninitialised: `init_adapters` fills them."""
+    device = linear.weight.device
+    linear.__class__ = LoRALinear
+    linear.lora_A = nn.Linear(linear.in_features, spec.rank, bias=False, device=device, dtype=torch.float32)
+    linear.lora_B = nn.Linear(spec.rank, linear.out_features, bias=False, device=device, dtype=torch.float32)
+    linear.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
+    linear.scaling = spec.scaling
+    return linear
+
+
+def remove_linear_adapter(linear: LoRALinear) -> nn.Linear:
+    for name in ("lora_A", "lora_B", "lora_dropout"):
+        delattr(linear, name)
+    linear.__class__ = nn.Linear
+    return linear
+
+
+class ExpertLoRA(nn.Module):
+    """Per-expert adapters of one stacked routed-expert projection [E, out, in]: `A` [E, r, in] and
+    `B` [E, out, r]. A module call of its own, so that FSDP gathers its parameters for it."""
+
+    def __init__(self, weight: torch.Tensor, spec: LoRASpec):
+        super().__init__()
+        e, out, inp = weight.shape
+        self.A = nn.Parameter(torch.empty(e, spec.rank, inp, device=weight.device))
+        self.B = nn.Parameter(torch.empty(e, out, spec.rank, device=weight.device))
+        self.scaling = spec.scaling
+        self.dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
+
+    def forward(self, out: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor | list[int]) -> torch.Tensor:
+        """`out` plus the update for `rows` sorted by expert (`groups` as `expert_matmul` takes them)."""
+        low = expert_matmul(self.dropout(rows.to(self.A.dtype)), self.A, groups)
+        return out + (expert_matmul(low, self.B, groups) * self.scaling).to(out.dtype)
+
+
+class ExpertAdapters(nn.ModuleDict):
+    """The routed experts' adapters, by projection name (`up_proj`, `down_proj`)."""
+
+    def __init__(self, experts: Experts, projs: Iterable[str], spec: LoRASpec):
+        super().__init__({proj: ExpertLoRA(getattr(experts, proj), spec) for proj in projs})
+
+
+# ------------------------------------------------------------------------------- targets
+def candidates(model: nn.Module) -> list[str]:
+    """Every name a target pattern may match: linear projections and stacked routed-expert weights."""
+    names = []
+    for name, module in model.named_modules():
+        if type(module) in (nn.Linear, LoRALinear):
+            names.append(name)
+        elif isinstance(module, Experts):
+            names += [f"{name}.{proj}" for proj in _EXPERT_PROJS]
+    return names
+
+
+def _generic(names: Iterable[str]) -> list[str]:
+    """Names with their layer index replaced by `*`, each once: what an error message lists."""
+    return sorted({re.sub(r"\.layers\.\d+\.", ".layers.*.", n) for n in names})
+
+
+def match_targets(model: nn.Module, patterns: Iterable[str]) -> list[str]:
+    """The candidate names the glob `patterns` match; a pattern that matches nothing is an error naming
+    what it could have matched. `lm_head` and the embedding are not adapted (their loss and lookup
+    paths read the weight directly)."""
+    names = candidates(model)
+    found: list[str] = []
+    for pattern in patterns:
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            unsupported = [n for n in ("lm_head", "model.embeddings") if fnmatch.fnmatchcase(n, pattern)]
+            why = f" ({unsupported[0]} cannot carry an adapter yet)" if unsupported else ""
+            raise LoRAError(
+                f"peft.target_modules: pattern {pattern!r} matches no module{why}. Fix: use glob patterns over "
+                f"these names: {_generic(names)}."
+            )
+        found += [h for h in hits if h not in found]
+    return [n for n in names if n in found]
+
+
+def add_adapters(model: NemotronHForCausalLM, spec: LoRASpec) -> list[str]:
+    """Adapts the projections `spec.target_modules` matches (in place); returns their names."""
+    targets = match_targets(model, spec.target_modules)
+    experts: dict[str, list[str]] = {}
+    for name in targets:
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(name) if leaf not in _EXPERT_PROJS or not _is_experts(model, owner) else None
+        if module is None:
+            experts.setdefault(owner, []).append(leaf)
+        else:
+            adapt_linear(module, spec)
+    for owner, projs in experts.items():
+        model.get_submodule(owner).lora = ExpertAdapters(model.get_submodule(owner), projs, spec)
+    return targets
+
+
+def _is_experts(model: nn.Module, name: str) -> bool:
+    try:
+        return isinstance(model.get_submodule(name), Experts)
+    except AttributeError:
+        return False
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Only adapters train: the parallelizer's `reapply_trainability` hook, run before FSDP."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter(name))
+
+
+def adapter_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Adapter parameters by their mesh-independent names (activation-checkpoint wrappers stripped)."""
+    return {name.replace("_checkpoint_wrapped_module.", ""): p for name, p in model.named_parameters()
+            if is_adapter(name)}
+
+
+# ------------------------------------------------------------------------------- init and values
+def _local_slice(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """The part of the global tensor `full` that `param` (a DTensor shard or a plain tensor) holds."""
+    if not isinstance(param, DTensor):
+        return full
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return full[tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))]
+
+
+@torch.no_grad()
+def set_full_values(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    """Copies each full (unsharded) adapter tensor of `values` into this rank's shard of it."""
+    params = adapter_parameters(model)
+    for name, full in values.items():
+        param = params[name]
+        local = param.to_local() if isinstance(param, DTensor) else param
+        local.copy_(_local_slice(param, full.to(local.dtype)))
+
+
+def initial_values(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Full adapter tensors as PEFT initialises them: `A` uniform in +-1/sqrt(in) (nn.Linear's default),
+    `B` zero. Drawn in name order from `seed` alone, the same on every rank and mesh."""
+    gen = torch.Generator().manual_seed(seed)
+    values = {}
+    for name, param in sorted(adapter_parameters(model).items()):
+        if name.endswith(("lora_A.weight", ".A")):
+            bound = 1.0 / math.sqrt(param.shape[-1])
+            values[name] = torch.empty(param.shape).uniform_(-bound, bound, generator=gen)
+        else:
+            values[name] = torch.zeros(param.shape)
+    return values
+
+
+def init_adapters(model: nn.Module, seed: int) -> None:
+    set_full_values(model, initial_values(model, seed))
+
+
+# ------------------------------------------------------------------------------- tensor parallel
+class _AdaptedColwise(ColwiseParallel):
+    """Colwise base: `B` sharded by output rows like the weight, `A` replicated."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if name:  # the adapters are placed with their base
+            return
+        _place(module, "weight", device_mesh, Shard(0))
+        _place(module, "bias", device_mesh, Shard(0))
+        _place(module.lora_A, "weight", device_mesh, Replicate())
+        _place(module.lora_B, "weight", device_mesh, Shard(0))
+
+
+class _AdaptedRowwise(RowwiseParallel):
+    """Rowwise base: `A` sharded by input columns like the weight, `B` replicated; the adapter's
+    output is a partial sum like the base's, reduced with it."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if name:
+            return
+        _place(module, "weight", device_mesh, Shard(1))
+        _place(module, "bias", device_mesh, Replicate())
+        _place(module.lora_A, "weight", device_mesh, Shard(1))
+        _place(module.lora_B, "weight", device_mesh, Replicate())
+
+
+def _place(module: nn.Module, name: str, mesh, placement) -> None:
+    param = getattr(module, name, None)
+    if param is None:
+        return
+    dist_param = distribute_tensor(param, mesh, [placement], src_data_rank=None)
+    module.register_parameter(name, nn.Parameter(dist_param, requires_grad=param.requires_grad))
+
+
+_ADAPTED_STYLES = {ColwiseParallel: _AdaptedColwise, RowwiseParallel: _AdaptedRowwise}
+
+
+def adapter_styles(root: nn.Module, styles: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """`styles` (relative to `root`) with each plain colwise/rowwise style of an adapted projection
+    replaced by one that shards its adapters consistently with it."""
+    out = {}
+    for name, style in styles.items():
+        if type(style) in _ADAPTED_STYLES and isinstance(root.get_submodule(name), LoRALinear):
+            style = copy.copy(style)
+            style.__class__ = _ADAPTED_STYLES[type(style)]
+        out[name] = style
+    return out
+
+
+# ------------------------------------------------------------------------------- PEFT format
+PEFT_PREFIX = "base_model.model."
+
+
+def _mamba_out_proj(cfg: NemotronHConfig, name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) > 4 and parts[1] == "layers" and cfg.block_types[int(parts[2])] == "mamba" \
+        and parts[4] == "out_proj"
+
+
+def _in_proj_rows(cfg: NemotronHConfig, name: str) -> torch.Tensor | None:
+    """For a Mamba2 `in_proj` adapter, the native row of each Hugging Face row (None otherwise)."""
+    parts = name.split(".")
+    if len(parts) > 4 and parts[1] == "layers" and cfg.block_types[int(parts[2])] == "mamba" \
+            and parts[4] == "in_proj":
+        return torch.argsort(mamba_in_proj_order(cfg))
+    return None
+
+
+def _expert_keys(owner: str, projs: tuple[str, ...]) -> dict[str, str]:
+    """PEFT nests one wrapper per targeted expert parameter, the first targeted innermost."""
+    depth = {proj: len(projs) - 1 - i for i, proj in enumerate(projs)}
+    return {proj: f"{owner}{'.base_layer' * depth[proj]}" for proj in projs}
+
+
+def to_peft(cfg: NemotronHConfig, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Native adapter tensors -> PEFT's names and layouts on transformers' NemotronH.
+
+    Mamba2 `in_proj` rows go back to Hugging Face order; routed experts become PEFT's parameter
+    adapters: `A` [E*r, in] (row e*r+k), `B` [out, r*E] (column k*E+e). Mamba2 `out_proj` adapters are
+    left out: PEFT refuses LoRA on that module of NemotronH (the export writes them merged instead)."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, list[str]] = {}
+    for name in values:
+        m = re.match(r"^(.*)\.lora\.(up_proj|down_proj)\.A$", name)
+        if m:
+            experts.setdefault(m.group(1), []).append(m.group(2))
+    for name, value in values.items():
+        if name.endswith((".lora_A.weight", ".lora_B.weight")):
+            module = name.rsplit(".", 2)[0]
+            if _mamba_out_proj(cfg, module):
+                continue
+            rows = _in_proj_rows(cfg, module)
+            if rows is not None and name.endswith("lora_B.weight"):
+                value = value[rows]
+            out[PEFT_PREFIX + name] = value.contiguous()
+    for owner, projs in experts.items():
+        projs = tuple(p for p in _EXPERT_PROJS if p in projs)
+        for proj, key in _expert_keys(owner, projs).items():
+            a, b = values[f"{owner}.lora.{proj}.A"], values[f"{owner}.lora.{proj}.B"]
+            e, r = a.shape[0], a.shape[1]
+            out[f"{PEFT_PREFIX}{key}.lora_A.weight"] = a.reshape(e * r, a.shape[-1]).contiguous()
+            out[f"{PEFT_PREFIX}{key}.lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], r * e).contiguous()
+    return out
+
+
+def from_peft(cfg: NemotronHConfig, tensors: dict[str, torch.Tensor], expert_projs: tuple[str, ...],
+              rank: int) -> dict[str, torch.Tensor]:
+    """PEFT adapter tensors (transformers' names) -> native adapter names and layouts; the inverse of
+    `to_peft`. `expert_projs`: the routed-expert parameters the adapter targets, in its order."""
+    out: dict[str, torch.Tensor] = {}
+    expert_key = {}
+    for key, value in tensors.items():
+        name = key.removeprefix(PEFT_PREFIX)
+        if name.endswith(".weight") and not name.endswith((".lora_A.weight", ".lora_B.weight")):
+            raise LoRAError(f"adapter tensor {key!r} is not a LoRA factor (a saved module copy?); only LoRA "
+                            "adapters load. Fix: save the adapter without modules_to_save.")
+        module, _, factor = name.removesuffix(".weight").rpartition(".")
+        owner = re.sub(r"(\.base_layer)+$", "", module)
+        if owner.endswith(".mixer.experts"):
+            expert_key[(module, factor)] = value
+            continue
+        rows = _in_proj_rows(cfg, module)
+        if rows is not None and factor == "lora_B":
+            value = value[torch.argsort(rows)]
+        out[f"{module}.{factor}.weight"] = value
+    owners = {re.sub(r"(\.base_layer)+$", "", m) for m, _ in expert_key}
+    for owner in owners:
+        for proj, key in _expert_keys(owner, expert_projs).items():
+            a, b = expert_key.get((key, "lora_A")), expert_key.get((key, "lora_B"))
+            if a is None or b is None:
+                raise LoRAError(f"adapter: {owner}.{proj} lacks its {'lora_A' if a is None else 'lora_B'} tensor.")
+            e = a.shape[0] // rank
+            out[f"{owner}.lora.{proj}.A"] = a.reshape(e, rank, a.shape[-1])
+            out[f"{owner}.lora.{proj}.B"] = b.reshape(b.shape[0], rank, e).permute(2, 0, 1)
+    return out
+
+
+def peft_targets(cfg: NemotronHConfig, names: Iterable[str]) -> tuple[list[str], list[str], list[str]]:
+    """(target_modules, target_parameters, modules_to_save) of an adapter_config.json for our adapted
+    projections `names`. PEFT matches target_modules by suffix, so the full module names are given."""
+    modules, params, saved = [], [], []
+    for name in names:
+        owner, _, leaf = name.rpartition(".")
+        if leaf in _EXPERT_PROJS and owner.endswith(".experts"):
+            if f"experts.{leaf}" not in params:
+                params.append(f"experts.{leaf}")
+        elif _mamba_out_proj(cfg, name):
+            saved.append(name)
+        else:
+            modules.append(name)
+    params.sort(key=lambda p: _EXPERT_PROJS.index(p.split(".")[1]))
+    return modules, params, saved
+
+
+def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """`W + scaling * B A`, computed in fp32, returned in the weight's dtype."""
+    return (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
+
+
+def merged_experts(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    return (weight.float() + scaling * torch.bmm(b.float(), a.float())).to(weight.dtype)
+
+
+def lora_spec_problem(cfg: NemotronHConfig, rank, alpha, dropout, target_modules) -> str | None:
+    """What is wrong with these LoRA settings for a model of `cfg`, or None; checked on a model built
+    on the meta device, so before any process group or memory."""
+    try:
+        spec = LoRASpec(rank, float(alpha), float(dropout), tuple(target_modules))
+        with torch.device("meta"):
+            match_targets(NemotronHForCausalLM(cfg), spec.target_modules)
+    except LoRAError as e:
+        return str(e)
+    return None

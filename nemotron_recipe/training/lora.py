@@ -1,0 +1,261 @@
+"""LoRA in the recipe: the frozen base, its fingerprint, the adapters' start, and PEFT-format files.
+
+A LoRA run stores its base in `peft.base_dtype` (a bf16 base has no fp32 master copy), adds fp32
+adapters (models/nemotron_v3/lora.py), and freezes everything else through the parallelizer's
+`reapply_trainability` hook. Its checkpoints hold the adapters, their optimizer state and the RNG;
+meta.json names the base (`model.pretrained`, or the preset and seed it was drawn from) with a hash
+of its content, and a resume on another base is refused.
+
+Export (`export_lora`): the adapters as a PEFT adapter of transformers' `NemotronHForCausalLM`
+(adapter_config.json, adapter_model.safetensors), or with `merge` folded into a full Hugging Face
+model. PEFT refuses LoRA on the Mamba2 `out_proj` of NemotronH (its CUDA kernels read that weight
+directly), so the adapter carries those projections as merged weights in `modules_to_save`: the
+model PEFT loads computes what ours does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from nemotron_recipe.models.nemotron_v3 import (
+    CheckpointError,
+    NemotronHConfig,
+    NemotronHForCausalLM,
+)
+from nemotron_recipe.models.nemotron_v3.checkpoint import safetensors_files
+from nemotron_recipe.models.nemotron_v3.lora import (
+    ExpertAdapters,
+    LoRAError,
+    LoRALinear,
+    LoRASpec,
+    adapter_parameters,
+    add_adapters,
+    from_peft,
+    init_adapters,
+    merged_experts,
+    merged_weight,
+    peft_targets,
+    remove_linear_adapter,
+    set_full_values,
+    to_peft,
+)
+
+log = logging.getLogger(__name__)
+
+BASE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def lora_spec(cfg: Any) -> LoRASpec | None:
+    p = getattr(cfg, "peft", None)
+    if p is None or p.method == "none":
+        return None
+    return LoRASpec(int(p.rank), float(p.alpha), float(p.dropout), tuple(p.target_modules))
+
+
+# ------------------------------------------------------------------------------- the base
+def _state_hash(model: torch.nn.Module) -> str:
+    digest = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        digest.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def _files_hash(path: str) -> str:
+    """CRC-32 of every weight file of a Hugging Face directory, combined: its content, read once."""
+    digest = hashlib.sha256()
+    for file in safetensors_files(path):
+        crc = 0
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 24):
+                crc = zlib.crc32(chunk, crc)
+        digest.update(f"{Path(file).name}:{Path(file).stat().st_size}:{crc}".encode())
+    return digest.hexdigest()[:32]
+
+
+def base_record(cfg: Any, model: torch.nn.Module) -> dict[str, Any]:
+    """What meta.json says of the base: where it comes from and a hash of its content (the weight
+    files of `model.pretrained`, else the seed-drawn weights in `peft.base_dtype`)."""
+    pretrained = cfg.model.pretrained
+    source = {"pretrained": str(Path(pretrained).expanduser().resolve())} if pretrained else {
+        "preset": cfg.model.preset, "seed": cfg.seed}
+    content = _files_hash(pretrained) if pretrained else _state_hash(model)
+    return {**source, "dtype": cfg.peft.base_dtype, "hash": content}
+
+
+def peft_record(cfg: Any, spec: LoRASpec, base: dict[str, Any], targets: list[str]) -> dict[str, Any]:
+    return {"method": "lora", "rank": spec.rank, "alpha": spec.alpha, "dropout": spec.dropout,
+            "target_modules": list(spec.target_modules), "adapted": targets, "base": base}
+
+
+def store_base(model: NemotronHForCausalLM, cfg: Any) -> None:
+    """The base in `peft.base_dtype`, the SSM terms and the router kept fp32 (a meta model too)."""
+    model.to(BASE_DTYPES[cfg.peft.base_dtype])
+
+
+# ------------------------------------------------------------------------------- the start
+def start_adapters(model: torch.nn.Module, cfg: Any, spec: LoRASpec) -> None:
+    """B = 0 and A drawn from the run's seed, or the values of the PEFT adapter `peft.init_from`."""
+    if cfg.peft.init_from:
+        values = read_peft_adapter(cfg.peft.init_from, model.config, spec, adapter_parameters(model))
+        set_full_values(model, values)
+        log.info("adapters from %s", cfg.peft.init_from)
+    else:
+        init_adapters(model, cfg.seed)
+
+
+def read_peft_adapter(path: str | Path, model_cfg: NemotronHConfig, spec: LoRASpec,
+                      params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A PEFT adapter directory's tensors in native names and layouts, checked against our adapters
+    (`params`, by name): the same rank, alpha, projections and shapes, else a LoRAError naming them."""
+    from safetensors.torch import load_file
+
+    path = Path(path).expanduser()
+    try:
+        config = json.loads((path / ADAPTER_CONFIG).read_text())
+        tensors = load_file(str(path / ADAPTER_WEIGHTS))
+    except (OSError, ValueError) as e:
+        raise LoRAError(f"peft.init_from={str(path)!r}: not a readable PEFT adapter ({e}). Fix: point it at a "
+                        f"directory holding {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}.") from None
+    if config.get("peft_type", "LORA") != "LORA" or int(config.get("r", -1)) != spec.rank \
+            or float(config.get("lora_alpha", -1)) != spec.alpha:
+        raise LoRAError(
+            f"peft.init_from={str(path)!r}: a {config.get('peft_type')} adapter of rank {config.get('r')} and alpha "
+            f"{config.get('lora_alpha')}, this run has rank {spec.rank} and alpha {spec.alpha}. Fix: set peft.rank and "
+            "peft.alpha to the adapter's."
+        )
+    projs = tuple(p.rsplit(".", 1)[-1] for p in config.get("target_parameters") or ())
+    values = from_peft(model_cfg, tensors, tuple(p for p in ("up_proj", "down_proj") if p in projs), spec.rank)
+    missing, unexpected = sorted(set(params) - set(values)), sorted(set(values) - set(params))
+    bad = [(n, tuple(values[n].shape), tuple(params[n].shape)) for n in values if n in params
+           and tuple(values[n].shape) != tuple(params[n].shape)]
+    if missing or unexpected or bad:
+        raise LoRAError(
+            f"peft.init_from={str(path)!r}: the adapter does not match this model's adapters: missing {missing[:4]}, "
+            f"unexpected {unexpected[:4]}, shapes (name, adapter, model) {bad[:4]}. Fix: use an adapter made for "
+            "this base with the same peft.target_modules."
+        )
+    return values
+
+
+# ------------------------------------------------------------------------------- export
+def load_adapters(path: Path, meta: dict[str, Any]) -> tuple[NemotronHForCausalLM, dict[str, torch.Tensor]]:
+    """The adapter values of a LoRA checkpoint, with the (storage-less) adapted model they belong to."""
+    from nemotron_recipe.training.hf_io import build_meta_model
+
+    peft = meta["peft"]
+    config = NemotronHConfig(**meta["model"])
+    model = build_meta_model(config)
+    add_adapters(model, LoRASpec(peft["rank"], peft["alpha"], peft["dropout"], tuple(peft["target_modules"])))
+    values = {name: torch.empty(p.shape, dtype=p.dtype) for name, p in adapter_parameters(model).items()}
+    try:
+        dcp.load({"model": values}, checkpoint_id=str(path), no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own type is not an Exception
+        raise CheckpointError(f"{path}: loading the adapters failed: {type(e).__name__}: {e}") from None
+    return model, values
+
+
+def load_base(meta: dict[str, Any], path: Path) -> NemotronHForCausalLM:
+    """The LoRA checkpoint's base, unsharded, as the run stored it; refused if its content changed."""
+    base, config = meta["peft"]["base"], NemotronHConfig(**meta["model"])
+    if "pretrained" in base:
+        if not Path(base["pretrained"]).is_dir():
+            raise CheckpointError(f"{path}: its base {base['pretrained']} no longer exists; the adapters need it.")
+        model = NemotronHForCausalLM.from_pretrained(base["pretrained"])
+    else:
+        torch.manual_seed(base["seed"])
+        model = NemotronHForCausalLM(config)
+    model.to(BASE_DTYPES[base["dtype"]])
+    got = _files_hash(base["pretrained"]) if "pretrained" in base else _state_hash(model)
+    if got != base["hash"]:
+        raise CheckpointError(
+            f"{path}: its base ({base.get('pretrained') or 'preset ' + str(base.get('preset'))}) has changed since "
+            f"training (hash {got}, trained on {base['hash']}). Fix: export with the base the adapters were trained on."
+        )
+    return model
+
+
+def merge_into(model: NemotronHForCausalLM, values: dict[str, torch.Tensor], spec: LoRASpec) -> None:
+    """Folds the adapters `values` (native names) into the base weights of `model`, in place."""
+    add_adapters(model, spec)
+    with torch.no_grad():
+        for name, module in list(model.named_modules()):
+            if isinstance(module, LoRALinear):
+                a, b = values[f"{name}.lora_A.weight"], values[f"{name}.lora_B.weight"]
+                module.weight.copy_(merged_weight(module.weight, a, b, spec.scaling))
+                remove_linear_adapter(module)
+            elif isinstance(module, ExpertAdapters):
+                experts = model.get_submodule(name.rsplit(".", 1)[0])
+                for proj in module:
+                    a, b = values[f"{name}.{proj}.A"], values[f"{name}.{proj}.B"]
+                    getattr(experts, proj).copy_(merged_experts(getattr(experts, proj), a, b, spec.scaling))
+                del experts.lora
+
+
+def _spec(meta: dict[str, Any]) -> LoRASpec:
+    p = meta["peft"]
+    return LoRASpec(p["rank"], p["alpha"], p["dropout"], tuple(p["target_modules"]))
+
+
+def export_lora(path: Path, meta: dict[str, Any], *, merge: bool) -> Callable[[Path], None]:
+    """Loads a LoRA checkpoint (and its base where needed) and returns the function that writes it to a
+    directory: a PEFT adapter, or with `merge` a Hugging Face model with the adapters folded in. Every
+    error is raised here, before anything is written."""
+    model, values = load_adapters(path, meta)
+    spec, config = _spec(meta), model.config
+    bad = [n for n, t in values.items() if not bool(t.isfinite().all())]
+    if bad:
+        raise CheckpointError(f"{path}: non-finite values in {bad[:6]}; the run had diverged. Fix: export an "
+                              "earlier checkpoint.")
+    if merge:
+        base = load_base(meta, path)
+        merge_into(base, values, spec)
+        return lambda out: base.save_pretrained(str(out))
+    modules, params, saved = peft_targets(config, meta["peft"]["adapted"])
+    tensors = to_peft(config, values)
+    if saved:  # Mamba2 out_proj: a merged copy of the projection, which PEFT loads as a module to save
+        base = load_base(meta, path)
+        for name in saved:
+            weight = base.get_submodule(name).weight
+            merged = merged_weight(weight, values[f"{name}.lora_A.weight"], values[f"{name}.lora_B.weight"],
+                                   spec.scaling)
+            tensors[f"base_model.model.{name}.weight"] = merged.contiguous()
+    base_path = meta["peft"]["base"].get("pretrained")
+    return lambda out: write_peft_adapter(out, tensors, spec, modules, params, saved, base_path)
+
+
+def write_peft_adapter(out: Path, tensors: dict[str, torch.Tensor], spec: LoRASpec, modules: list[str],
+                       params: list[str], saved: list[str], base_path: str | None) -> None:
+    from safetensors.torch import save_file
+
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_path,
+        "r": spec.rank,
+        "lora_alpha": spec.alpha,
+        "lora_dropout": spec.dropout,
+        "target_modules": modules,
+        "target_parameters": params or None,
+        "modules_to_save": saved or None,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+    }
+    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")

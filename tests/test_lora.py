@@ -1,0 +1,290 @@
+"""LoRA fine-tuning: adapters on every block kind, adapter-only checkpoints, PEFT-format export and
+import against `peft` on transformers' NemotronH, and parity on every mesh (tests/distributed/lora_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemotron_recipe.config import ConfigError
+from nemotron_recipe.models.nemotron_v3 import CheckpointError, NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.models.nemotron_v3 import model as model_module
+from nemotron_recipe.models.nemotron_v3.lora import (
+    LoRAError,
+    LoRASpec,
+    adapter_parameters,
+    add_adapters,
+    init_adapters,
+    set_full_values,
+)
+from nemotron_recipe.training.checkpoint import read_meta
+from nemotron_recipe.training.finetune import run
+from nemotron_recipe.training.hf_io import export_hf
+from nemotron_recipe.training.lora import load_adapters, load_base, read_peft_adapter
+
+from helpers import RUN_BASE, compose_run, metrics_rows
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).parent / "distributed" / "lora_worker.py"
+LOGITS_ATOL = 1e-4  # ours against peft / transformers on the same weights
+PARITY_RTOL = 1e-5  # LoRA loss curves of a mesh against one process, fp32
+FAST = [*RUN_BASE, "trainer.val_every=0", "optim.warmup_steps=0", "optim.lr=1e-2"]
+# Everything but the Mamba2 out_proj, which PEFT refuses to adapt on NemotronH.
+PEFT_TARGETS = "peft.target_modules=[*.in_proj,*.q_proj,*.k_proj,*.v_proj,*.o_proj,*.up_proj,*.down_proj]"
+
+
+def lora_run(run_dir: Path, *overrides: str) -> dict:
+    return run(compose_run(run_dir, *overrides, base=FAST))
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory) -> Path:
+    """A Hugging Face directory of the tiny preset (fp32), the base of the export tests."""
+    path = tmp_path_factory.mktemp("base")
+    torch.manual_seed(0)
+    NemotronHForCausalLM(NemotronHConfig.from_preset("tiny")).save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, base_dir) -> Path:
+    """Three LoRA steps on `base_dir` (fp32 base, every default target): its final checkpoint."""
+    run_dir = tmp_path_factory.mktemp("lora_run")
+    summary = lora_run(run_dir, "peft=lora", "peft.base_dtype=fp32", f"model.pretrained={base_dir}",
+                       "trainer.max_steps=3")
+    return Path(summary["checkpoint"])
+
+
+def ours_with_adapters(checkpoint: Path) -> NemotronHForCausalLM:
+    """The checkpoint's base with its adapters, unsharded, as our forward computes it."""
+    meta = read_meta(checkpoint)
+    _, values = load_adapters(checkpoint, meta)
+    model = load_base(meta, checkpoint)
+    p = meta["peft"]
+    add_adapters(model, LoRASpec(p["rank"], p["alpha"], p["dropout"], tuple(p["target_modules"])))
+    set_full_values(model, values)
+    return model.eval()
+
+
+def hf_model(path: Path):
+    import transformers
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def ids() -> torch.Tensor:
+    return torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(3))
+
+
+# ------------------------------------------------------------------ the model
+def test_adapters_cover_every_block_kind_and_start_as_the_base():
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(NemotronHConfig.from_preset("tiny"))
+    x = ids()
+    with torch.no_grad():
+        before = model(x).logits
+    targets = add_adapters(model, LoRASpec())
+    init_adapters(model, seed=1)
+    assert {t.split(".", 4)[-1] for t in targets} == {
+        "in_proj", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj",
+        "experts.up_proj", "experts.down_proj", "shared_experts.up_proj", "shared_experts.down_proj"}
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, before)  # B = 0: exactly the base
+        for name, p in adapter_parameters(model).items():
+            if name.endswith(("lora_B.weight", ".B")):
+                p.add_(0.01 * torch.randn_like(p))
+        grouped = model(x).logits
+        # The routed experts' adapters run inside the grouped GEMM; the per-expert path agrees.
+        supported = model_module._grouped_mm_supported
+        model_module._grouped_mm_supported = lambda *args: False
+        try:
+            per_expert = model(x).logits
+        finally:
+            model_module._grouped_mm_supported = supported
+    assert not torch.equal(grouped, before)
+    torch.testing.assert_close(grouped, per_expert, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["peft.rank=0"], "peft.rank=0: must be a positive integer"),
+    (["peft.target_modules=[*.gate_proj]"], "'*.gate_proj' matches no module. Fix: use glob patterns over these "
+                                            "names: ['model.layers.*.mixer.down_proj'"),
+    (["peft.target_modules=[lm_head]"], "lm_head cannot carry an adapter yet"),
+    (["peft.base_dtype=fp16"], "peft.base_dtype='fp16': unknown"),
+])
+def test_bad_lora_settings_are_named_before_any_work(tmp_path, overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        lora_run(tmp_path, "peft=lora", *overrides)
+    assert needle in str(err.value)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+# ------------------------------------------------------------------ the recipe
+def test_step_zero_is_the_base_and_lora_learns(tmp_path):
+    full = lora_run(tmp_path / "full", "trainer.max_steps=1", "checkpoint.save_final=false")
+    lora = lora_run(tmp_path / "lora", "peft=lora", "peft.base_dtype=fp32", "trainer.max_steps=10",
+                    "checkpoint.save_final=false")
+    assert lora["first_val_loss"] == full["first_val_loss"]  # exactly: B = 0
+    assert lora["last_val_loss"] < 0.99 * lora["first_val_loss"]
+
+
+def test_checkpoint_holds_adapters_and_resumes_exactly(tmp_path):
+    common = ["peft=lora", "trainer.max_steps=4", f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    straight = lora_run(tmp_path / "straight", *common[:2])
+    lora_run(tmp_path / "first", *common, "trainer.stop_at_step=2")
+    resumed = lora_run(tmp_path / "second", *common)
+    assert resumed["resumed_from"] == 2
+    a = [r["loss"] for r in metrics_rows(tmp_path / "straight") if "loss" in r]
+    b = [r["loss"] for r in metrics_rows(tmp_path / "first") if "loss" in r]
+    b += [r["loss"] for r in metrics_rows(tmp_path / "second") if "loss" in r]
+    assert a == b  # adapters, their optimizer state, the schedule and the RNG all restored
+
+    ckpt = Path(straight["checkpoint"])
+    meta = read_meta(ckpt)
+    assert meta["peft"]["base"]["preset"] == "tiny" and len(meta["peft"]["base"]["hash"]) == 32
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    params = [k.removeprefix("model.") for k in saved if k.startswith("model.") and "correction_bias" not in k]
+    assert params and all(".lora" in k for k in params)  # no frozen base weight is saved
+
+    # The same checkpoint on another base (another seed draws another preset base) is refused.
+    with pytest.raises(CheckpointError, match="trained on another base"):
+        lora_run(tmp_path / "other", *common, "trainer.max_steps=6", "seed=5")
+    with pytest.raises(CheckpointError, match="a LoRA checkpoint, and this run is full fine-tuning"):
+        lora_run(tmp_path / "full", *common[1:], "trainer.max_steps=6")
+
+
+def test_lora_checkpoint_is_a_small_fraction_of_a_full_one(tmp_path):
+    full = lora_run(tmp_path / "full", "trainer.max_steps=1")
+    full_bytes = dir_bytes(Path(full["checkpoint"]))
+    for rank in (8, 4):
+        lora = lora_run(tmp_path / f"lora{rank}", "peft=lora", f"peft.rank={rank}", "trainer.max_steps=1")
+        lora_bytes = dir_bytes(Path(lora["checkpoint"]))
+        torch.manual_seed(0)
+        model = NemotronHForCausalLM(NemotronHConfig.from_preset("tiny"))
+        add_adapters(model, LoRASpec(rank=rank))
+        adapters = sum(p.numel() for p in adapter_parameters(model).values())
+        share = adapters / sum(p.numel() for p in model.parameters())
+        print(f"tiny, rank {rank}: LoRA checkpoint {lora_bytes} bytes, full {full_bytes}: {lora_bytes / full_bytes:.2%} "
+              f"(adapters: {adapters} parameters)")
+        # Adapters, their two Adam moments and DCP's per-tensor overhead; nothing of the base.
+        assert lora_bytes <= 12 * adapters * 1.4 + 150_000
+        assert lora_bytes <= 1.6 * share * full_bytes
+
+
+# ------------------------------------------------------------------ PEFT format
+def test_exported_adapter_loads_in_peft_and_merge_in_transformers(tmp_path, base_dir, trained):
+    import peft
+
+    export_hf(trained, tmp_path / "adapter")
+    export_hf(trained, tmp_path / "merged", merge=True)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["experts.up_proj", "experts.down_proj"]
+    assert config["base_model_name_or_path"] == str(base_dir.resolve())
+    x = ids()
+    with torch.no_grad():
+        ours = ours_with_adapters(trained)(x).logits
+        base = hf_model(base_dir)
+        assert (base(x).logits - ours).abs().max() > 100 * LOGITS_ATOL  # the adapters do change the model
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+        torch.testing.assert_close(adapted(x).logits, ours, rtol=0, atol=LOGITS_ATOL)
+        torch.testing.assert_close(hf_model(tmp_path / "merged")(x).logits, ours, rtol=0, atol=LOGITS_ATOL)
+
+
+def test_export_cli_refuses_merge_of_a_full_checkpoint(tmp_path):
+    full = lora_run(tmp_path / "full", "trainer.max_steps=1")
+    out = tmp_path / "merged"
+    proc = subprocess.run([sys.executable, "-m", "recipes.export", full["checkpoint"], str(out), "--merge"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "full fine-tuning checkpoint" in proc.stderr and "export it without --merge" in proc.stderr
+    assert not out.exists()
+
+
+def test_adapter_made_by_peft_starts_a_run(tmp_path, base_dir):
+    import peft
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        made = peft.get_peft_model(hf_model(base_dir), peft.LoraConfig(
+            r=8, lora_alpha=32, init_lora_weights=False,
+            target_modules=["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
+            target_parameters=["experts.up_proj", "experts.down_proj"]))
+    made.save_pretrained(str(tmp_path / "made"))
+    x = ids()
+    with torch.no_grad():
+        theirs = made.eval()(x).logits
+        ours = NemotronHForCausalLM.from_pretrained(str(base_dir))
+        spec = LoRASpec(8, 32.0, 0.0, ("*.in_proj", "*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj", "*.up_proj",
+                                       "*.down_proj"))
+        add_adapters(ours, spec)
+        set_full_values(ours, read_peft_adapter(tmp_path / "made", ours.config, spec, adapter_parameters(ours)))
+        torch.testing.assert_close(ours.eval()(x).logits, theirs, rtol=0, atol=LOGITS_ATOL)
+
+    summary = lora_run(tmp_path / "run", "peft=lora", "peft.base_dtype=fp32", PEFT_TARGETS,
+                       f"model.pretrained={base_dir}", f"peft.init_from={tmp_path / 'made'}", "trainer.max_steps=1")
+    base = lora_run(tmp_path / "base", "peft=lora", "peft.base_dtype=fp32", PEFT_TARGETS,
+                    f"model.pretrained={base_dir}", "trainer.max_steps=1", "checkpoint.save_final=false")
+    assert summary["first_val_loss"] != base["first_val_loss"]  # started from the adapter, not from B = 0
+
+    with pytest.raises(LoRAError, match="rank 8 and alpha 32.*this run has rank 4"):
+        lora_run(tmp_path / "rank4", "peft=lora", "peft.rank=4", PEFT_TARGETS, f"model.pretrained={base_dir}",
+                 f"peft.init_from={tmp_path / 'made'}", "trainer.max_steps=1")
+    with pytest.raises(LoRAError, match="does not match this model's adapters: missing .*out_proj"):
+        lora_run(tmp_path / "all", "peft=lora", f"model.pretrained={base_dir}",
+                 f"peft.init_from={tmp_path / 'made'}", "trainer.max_steps=1")
+
+
+# ------------------------------------------------------------------ meshes
+LORA_CASES_2 = ["1,2,1,1,0,none", "1,1,1,2,1,none", "1,1,2,1,0,none", "1,2,1,1,0,full", "1,2,1,1,0,selective",
+                "1,2,1,1,0,blocks"]
+LORA_CASES_4 = ["1,2,1,2,1,none", "2,2,1,1,0,every_nth"]
+
+
+def _launch(tmp_path_factory, nproc: int, cases: list[str]) -> dict:
+    out = tmp_path_factory.mktemp(f"lora{nproc}") / "out.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER),
+           str(out), *cases]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=WORKER.parent,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def lora_meshes(tmp_path_factory) -> dict:
+    return {**_launch(tmp_path_factory, 2, LORA_CASES_2), **_launch(tmp_path_factory, 4, LORA_CASES_4)}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", LORA_CASES_2 + LORA_CASES_4)
+def test_lora_curves_match_one_process(lora_meshes, case):
+    result = lora_meshes[case]
+    for step, (loss, ref) in enumerate(zip(result["losses"], result["ref_losses"], strict=True)):
+        assert abs(loss - ref) <= PARITY_RTOL * abs(ref), f"step {step}: {loss} vs {ref}"
+    assert result["losses"][0] == pytest.approx(result["base_losses"][0], rel=PARITY_RTOL)
+    assert max(abs(a - b) for a, b in zip(result["losses"][1:], result["base_losses"][1:])) > 1e-3  # they train
+    # Adam magnifies rounding in elements with near-zero gradients; the values still agree closely.
+    assert max(result["adapter_rel_err"].values()) < 1e-3
+    # Only adapters train, on every block kind: Mamba2 in/out, attention, MLP, shared and routed experts.
+    assert all(".lora" in n for n in result["trainable"]) and len(result["trainable"]) == 32
+    if case.split(",")[3] == "2":
+        # colwise bases shard B, rowwise ones A: two projections per dense block (2 Mamba, 1 attention
+        # with four, 2 MLP); the MoE block stays replicated over tp.
+        assert len(result["tp_sharded"]) == 12 and not any("experts" in n for n in result["tp_sharded"])
