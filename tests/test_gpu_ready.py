@@ -451,3 +451,14 @@ def test_gpu_check_dry_run_without_wheels_says_how_to_get_them(tmp_path):
     assert proc.returncode == 1
     assert f"no wheels in {tmp_path / 'missing'}/" in proc.stdout and "--download" in proc.stdout
     assert "would run" not in proc.stdout
+
+
+def test_experts_with_unaligned_rows_take_the_per_expert_path():
+    """Grouped GEMMs refuse rows that are not 16-byte aligned (CPU, torch 2.9 to 2.13): 20 bf16
+    intermediate channels take one matmul per expert instead of raising."""
+    cfg = dataclasses.replace(PRESETS["tiny"], moe_intermediate_size=20)
+    torch.manual_seed(0)
+    moe = model_mod.MoE(cfg).to(torch.bfloat16)
+    x = torch.randn(2, 8, cfg.hidden_size, dtype=torch.bfloat16)
+    assert not model_mod._grouped_mm_supported(x[0], moe.experts.up_proj)
+    assert moe(x).shape == x.shape

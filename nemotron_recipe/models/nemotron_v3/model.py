@@ -237,13 +237,14 @@ class Router(_KeepFP32, nn.Module):
 
 def _grouped_mm_supported(rows: torch.Tensor, up: torch.Tensor) -> bool:
     """`F.grouped_mm` runs on CPU in fp32, bf16 and fp16; on CUDA its kernels need bf16, Hopper or
-    newer, and 16-byte aligned rows."""
+    newer. Both need rows of both operands 16-byte aligned (CPU: torch 2.9 to 2.13 refuse others)."""
     if not hasattr(F, "grouped_mm"):
         return False
     if torch.compiler.is_compiling() and rows.dtype != torch.bfloat16:
         return False  # the op's shape function (used while tracing) accepts bf16 only
     if rows.device.type == "cpu":
-        return rows.dtype == up.dtype and rows.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        aligned = rows.shape[-1] * rows.element_size() % 16 == 0 and up.shape[1] * up.element_size() % 16 == 0
+        return aligned and rows.dtype == up.dtype and rows.dtype in (torch.float32, torch.bfloat16, torch.float16)
     return (rows.is_cuda and rows.dtype == up.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(rows.device) >= (9, 0)
             and rows.shape[-1] % 8 == 0 and up.shape[1] % 8 == 0)
