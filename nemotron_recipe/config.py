@@ -123,6 +123,17 @@ class MeshConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Routed experts of MoE models. `bias_update_rate` (0: off): after each optimizer step every
+    router's correction bias moves by this rate times sign(mean load - expert load), the loads counted
+    over the whole global batch (auxiliary-loss-free balancing). `freeze_router`: the router weight
+    and its correction bias stay as loaded."""
+
+    bias_update_rate: float = 0.0
+    freeze_router: bool = False
+
+
+@dataclass
 class ACConfig:
     """Activation checkpointing, applied by the model's parallelizer: none; blocks (its choice of blocks,
     for Nemotron-H Mamba and MLP); full (all blocks); selective (all, op by op); every_nth (every `every`-th)."""
@@ -223,17 +234,6 @@ class CheckpointConfig:
     export_hf: bool = False
 
 
-@dataclass
-class WandbConfig:
-    mode: str = "disabled"
-    project: str = "nemotron-recipe"
-    name: Optional[str] = None
-    tags: list[str] = field(default_factory=list)
-
-
-@dataclass
-class ConsoleConfig:
-    progress_bar: bool = True
 PEFT_METHODS = ("none", "lora")
 # The default LoRA targets: every linear projection of every block kind, routed experts included
 # (models/nemotron_v3/lora.py matches them against module names).
@@ -256,6 +256,17 @@ class PeftConfig:
     init_from: Optional[str] = None
 
 
+@dataclass
+class WandbConfig:
+    mode: str = "disabled"
+    project: str = "nemotron-recipe"
+    name: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ConsoleConfig:
+    progress_bar: bool = True
 
 
 @dataclass
@@ -268,12 +279,14 @@ class LoggerConfig:
 class FinetuneConfig:
     model: ModelConfig = field(default_factory=ModelConfig)  # type: ignore[valid-type]
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     ac: ACConfig = field(default_factory=ACConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     seed: int = 1234
     run_dir: str = "${hydra:runtime.output_dir}"
@@ -286,7 +299,6 @@ def register_configs() -> None:
     _register_resolvers()
     ConfigStore.instance().store(name=SCHEMA_NAME, node=FinetuneConfig)
 
-    peft: PeftConfig = field(default_factory=PeftConfig)
 
 register_configs()
 
@@ -421,19 +433,33 @@ def validate_config(cfg: Any) -> tuple[NemotronHConfig, ParallelPlan]:
     errors += parallel_errors
     _check_choice(errors, "logger.wandb.mode", cfg.logger.wandb.mode, WANDB_MODES)
     errors += _input_problems(cfg)
+    errors += _peft_problems(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     model_config = build_model_config(cfg.model)
-    if problem := check_experts_split(plan.ep, model_config.n_routed_experts, "moe" in model_config.block_types):
-        raise ConfigError(f"invalid configuration:\n  {problem}")
+    if problems := _moe_problems(cfg, model_config, plan):
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     return model_config, plan
+
+
+def _moe_problems(cfg: Any, model_config: NemotronHConfig, plan: ParallelPlan) -> list[str]:
+    """Expert parallel and the `moe` options need routed experts to act on."""
+    has_moe = "moe" in model_config.block_types
+    errors = [p for p in [check_experts_split(plan.ep, model_config.n_routed_experts, has_moe)] if p]
+    rate = cfg.moe.bias_update_rate
+    if rate < 0:
+        errors.append(f"moe.bias_update_rate={rate}: must be >= 0 (0: off). Fix: e.g. moe.bias_update_rate=1e-3.")
+    for name, value in (("bias_update_rate", rate), ("freeze_router", cfg.moe.freeze_router)):
+        if value and not has_moe:
+            errors.append(f"moe.{name}={value}: the model (pattern {model_config.pattern!r}) has no MoE block. "
+                          f"Fix: leave moe.{name} at its default, or use a model with MoE blocks ('E').")
+    return errors
 
 
 def _batch_split_problems(t: Any, dp_size: int) -> list[str]:
     """The global batch must split into whole micro-batches on every data-parallel rank."""
     unit = t.micro_batch_size * dp_size
     if t.global_batch_size % unit == 0:
-    errors += _peft_problems(cfg)
         return []
     lower = t.global_batch_size // unit * unit
     options = " or ".join(str(v) for v in (lower, lower + unit) if v > 0)

@@ -67,6 +67,10 @@ TWO_RANK_CASES = [
     "1,1,1,2,1,none,bf16_offload",
     "1,1,2,1,0,none,fp32",  # CP 2
     "1,1,2,1,0,blocks,fp32",
+    "1,2,1,1,0,none,fp32,moe,ep2",  # expert parallel 2 over dp_shard
+    "1,2,1,1,0,none,fp32,moe_grouped,ep2",
+    "1,2,1,1,0,full,fp32,moe,ep2",
+    "1,1,2,1,0,none,fp32,moe,ep2",  # expert parallel 2 over cp
 ]
 FOUR_RANK_CASES = [
     "1,2,1,2,0,none,fp32",  # FSDP 2 x TP 2
@@ -81,7 +85,12 @@ FOUR_RANK_CASES = [
     "1,1,4,1,0,none,fp32",  # CP 4
     "1,1,4,1,0,none,fp32,groups2",  # CP 4 over 2 Mamba groups: each group split in two
     "1,1,2,2,0,none,fp32,groups2",  # CP 2 x TP 2 over 2 Mamba groups: 1 group per tp rank, split in two
+    "1,2,1,2,1,none,fp32,moe,ep2",  # EP 2 x TP 2 + SP
+    "1,2,2,1,0,blocks,fp32,moe_grouped,ep2",  # EP 2 x CP 2: each expert FSDP-sharded over 2 ranks
+    "2,2,1,1,0,none,fp32,moe,ep2",  # EP 2 inside HSDP 2 x 2
+    "1,4,1,1,0,none,fp32,moe,ep4",
 ]
+EP_CASES = [case for case in TWO_RANK_CASES + FOUR_RANK_CASES if ",ep" in case]
 SPLIT_GROUP_CASES = [case for case in FOUR_RANK_CASES if case.endswith(",groups2")]
 
 
@@ -125,6 +134,17 @@ def test_cp_beyond_the_groups_of_a_rank_splits_them(four_rank):
     for case in SPLIT_GROUP_CASES:
         assert four_rank[case]["split_group_scans"] > 0, f"{case}: no Mamba2 scan ran on split groups"
     assert four_rank["1,1,4,1,0,none,fp32"]["split_group_scans"] == 0  # 4 groups over cp 4: whole groups
+
+
+@pytest.mark.distributed
+def test_expert_parallel_ranks_hold_their_share_of_the_experts(two_rank, four_rank):
+    """Each rank holds n_routed_experts / ep experts, further split by FSDP over the ranks left."""
+    for case in EP_CASES:
+        rep, shard, cp, tp = (int(v) for v in case.split(",")[:4])
+        result = (two_rank if rep * shard * cp * tp == 2 else four_rank)[case]
+        held, total = result["expert_elements"]
+        ep = int(case.rsplit(",ep", 1)[1])
+        assert held * shard * cp == total, f"{case}: a rank holds {held} of {total} expert elements (ep {ep})"
 
 
 # ------------------------------------------------------------------ validation, no ranks needed

@@ -62,14 +62,15 @@ def combine(out: torch.Tensor, sent: Dispatched) -> torch.Tensor:
 
 
 def shard_experts(experts: nn.Module, ep_mesh: DeviceMesh, num_experts: int) -> None:
-    """Makes every parameter of `experts` that stacks one slice per expert (first dim `num_experts`) a
-    DTensor sharded by expert over `ep_mesh`, so each rank keeps its own experts' slices and checkpoints
-    keep the full, unsharded shapes."""
+    """Makes every parameter under `experts` that stacks one slice per expert (first dim `num_experts`:
+    the expert weights and any per-expert adapters) a DTensor sharded by expert over `ep_mesh`, so each
+    rank keeps its own experts' slices and checkpoints keep the full, unsharded shapes."""
     ep = ep_mesh.size()
     if num_experts % ep:
         raise ValueError(f"{num_experts} routed experts cannot be split evenly over ep={ep} ranks")
-    for name, param in list(experts.named_parameters(recurse=False)):
-        if isinstance(param, DTensor) or param.dim() == 0 or param.shape[0] != num_experts:
-            continue
-        sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
-        setattr(experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    for module in experts.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if isinstance(param, DTensor) or param.dim() == 0 or param.shape[0] != num_experts:
+                continue
+            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
+            setattr(module, name, nn.Parameter(sharded, requires_grad=param.requires_grad))

@@ -32,6 +32,9 @@ class ModelParallelizer(abc.ABC):
     ) -> nn.Module:
         """Apply every parallelism `plan` asks for over `meshes`; the recipe's single entry point."""
         mp_policy, offload_policy = plan.fsdp_policies(meshes.root.device_type)
+        # Expert parallel travels in NeMo AutoModel's keywords, which the published signature takes in **kwargs.
+        experts = {"moe_mesh": meshes.moe, "ep_axis_name": "ep", "ep_shard_axis_names": ("ep_shard",)} \
+            if meshes.moe is not None else {}
         return self._apply(
             model,
             meshes.root,
@@ -42,6 +45,7 @@ class ModelParallelizer(abc.ABC):
             tp_shard_plan=tp_shard_plan,
             reshard_after_forward=plan.reshard_after_forward,
             reapply_trainability=reapply_trainability,
+            **experts,
         )
 
     @abc.abstractmethod

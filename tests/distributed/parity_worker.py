@@ -3,9 +3,10 @@ the per-step losses and step-1 gradients of each to a JSON file for the tests to
 
     torchrun --standalone --nproc-per-node N tests/distributed/parity_worker.py OUT.json CASE [CASE ...]
 
-A CASE is `dp_replicate,dp_shard,cp,tp,sp,ac,dtype[,model]`, e.g. `1,2,1,1,0,none,fp32`; dtype is
-fp32, bf16 or bf16_offload (CPU-offloaded parameters); model is native (default), groups2 (native with
-2 Mamba groups, so that a cp larger than a rank's groups splits them) or hf (`transformers`).
+A CASE is `dp_replicate,dp_shard,cp,tp,sp,ac,dtype[,model[,epN]]`, e.g. `1,2,1,1,0,none,fp32`; dtype
+is fp32, bf16 or bf16_offload (CPU-offloaded parameters); model is native (default), groups2 (native
+with 2 Mamba groups, so that a cp larger than a rank's groups splits them) or hf (`transformers`);
+epN splits the routed experts over N expert-parallel ranks.
 """
 
 from __future__ import annotations
@@ -36,7 +37,12 @@ CFG = NemotronHConfig(
     n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24,
     n_group=2, topk_group=1, routed_scaling_factor=2.5,
 )
-NATIVE_CONFIGS = {"native": CFG, "groups2": dataclasses.replace(CFG, n_groups=2)}
+# MoE-heavy: three MoE blocks of 8 experts, top-2; "moe_grouped" routes within the best 2 of 4 groups.
+MOE_CFG = dataclasses.replace(CFG, pattern="EM*E-E", n_routed_experts=8, n_group=1, topk_group=1)
+NATIVE_CONFIGS = {
+    "native": CFG, "groups2": dataclasses.replace(CFG, n_groups=2),
+    "moe": MOE_CFG, "moe_grouped": dataclasses.replace(MOE_CFG, n_group=4, topk_group=2),
+}
 
 
 def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,6 +94,10 @@ def tp_fraction(p: torch.Tensor, tp: int) -> float:
     return 1.0
 
 
+def local_numel(p: torch.Tensor) -> int:
+    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+
+
 def train(model, ids, targets, *, dp_rank=0, dp_size=1, dp_group=None, cp=None):
     """Five AdamW steps; the loss of a step is its global token-loss sum over the global token count.
 
@@ -131,10 +141,11 @@ def main() -> None:
         fields = case.split(",")
         rep, shard, cp, tp, sp, ac, dtype = fields[:7]
         model_name = fields[7] if len(fields) > 7 else "native"
+        ep = int(fields[8].removeprefix("ep")) if len(fields) > 8 else 1
         if model_name not in references and rank == 0:
             references[model_name] = train(build_model(model_name), ids, targets)
         plan = ParallelPlan(
-            dp_replicate=int(rep), dp_shard=int(shard), cp=int(cp), tp=int(tp), sequence_parallel=sp == "1",
+            dp_replicate=int(rep), dp_shard=int(shard), cp=int(cp), tp=int(tp), ep=ep, sequence_parallel=sp == "1",
             ac=ActivationCheckpointing(ac), param_dtype=DTYPES[dtype.removesuffix("_offload")],
             offload=dtype.endswith("_offload"),
         )
@@ -157,8 +168,11 @@ def main() -> None:
         split_scans = torch.tensor(split_group_scans[0])  # the fewest of any rank
         dist.all_reduce(split_scans, op=dist.ReduceOp.MIN)
         # Fraction of each block's parameters this rank holds under tensor parallel (FSDP excluded).
+        experts = [p for n, p in model.named_parameters() if ".experts." in n]
+        expert_elements = torch.tensor([sum(local_numel(p) for p in experts)])
+        dist.all_reduce(expert_elements, op=dist.ReduceOp.MAX)
         held = {
-            f"{i}:{CFG.block_types[i]}": sum(p.numel() * tp_fraction(p, int(tp)) for p in block.parameters())
+            f"{i}:{NATIVE_CONFIGS.get(model_name, CFG).block_types[i]}": sum(p.numel() * tp_fraction(p, int(tp)) for p in block.parameters())
             / sum(p.numel() for p in block.parameters())
             for i, block in enumerate(model.model.layers)
         }
@@ -168,7 +182,8 @@ def main() -> None:
                     for name, g in ref_grads.items()}
             results[case] = {"logits_rel_err": logits_err.item(), "losses": losses, "ref_losses": ref_losses, "grad_rel_err": errs,
                              "missing_grads": sorted(set(ref_grads) - set(grads)), "tp_held_fraction": held,
-                             "split_group_scans": split_scans.item()}
+                             "split_group_scans": split_scans.item(),
+                             "expert_elements": [expert_elements.item(), sum(p.numel() for p in experts)]}
         dist.barrier()
     write_and_finish(out_path, results)
 

@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from nemotron_recipe.distributed.expert_parallel import combine, dispatch
 from nemotron_recipe.distributed.tensor_parallel import vocab_parallel_cross_entropy
 
 from .config import NemotronHConfig
@@ -255,30 +257,51 @@ def expert_matmul(rows: torch.Tensor, weight: torch.Tensor, groups: torch.Tensor
     each expert's end row (int32 tensor: one grouped GEMM) or row count (list: a matmul per expert)."""
     if isinstance(groups, torch.Tensor):
         return F.grouped_mm(rows, weight.transpose(-2, -1), offs=groups)
-    return torch.cat([F.linear(part, weight[e]) for e, part in enumerate(rows.split(groups)) if groups[e]])
+    parts = [F.linear(part, weight[e]) for e, part in enumerate(rows.split(groups)) if groups[e]]
+    # No rows at all (an expert-parallel rank nobody routed to): still a product with the weight, so
+    # its gradient is zeros, as on the ranks that had rows.
+    return torch.cat(parts) if parts else F.linear(rows, weight[0])
 
 
 class Experts(nn.Module):
     """Routed ReLU^2 experts stored as stacked weights: up [E, I, D], down [E, D, I], where D is the
-    latent size under LatentMoE and the hidden size otherwise."""
+    latent size under LatentMoE and the hidden size otherwise.
+
+    Under expert parallel (the parallelizer sets `ep_group`) each rank holds E / ep of them and rows
+    travel to their experts' ranks and back. `tokens_per_expert` holds the rows each expert was
+    routed in the last forward (this rank's tokens), which load balancing reads."""
 
     def __init__(self, config: NemotronHConfig):
         super().__init__()
         e, d, i = config.n_routed_experts, config.moe_hidden_size, config.moe_intermediate_size
+        self.num_experts = e
         self.up_proj = nn.Parameter(torch.empty(e, i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
+        self.ep_group: dist.ProcessGroup | None = None
+        self.register_buffer("tokens_per_expert", torch.zeros(e, dtype=torch.long), persistent=False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """x [t, d]; each token's rows sorted by expert so every expert runs one dense matmul."""
-        up, down = local(self.up_proj), local(self.down_proj)
         flat_idx = idx.flatten()
         order = flat_idx.argsort(stable=True)
         token = order // idx.shape[1]
         # Counted on the device: bincount reads the largest index back to the host (a sync per layer,
         # with or without minlength).
-        counts = torch.zeros(up.shape[0], dtype=torch.long, device=flat_idx.device).scatter_add_(
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat_idx.device).scatter_add_(
             0, flat_idx, torch.ones_like(flat_idx))
+        self.tokens_per_expert.copy_(counts)
         rows = x[token]
+        if self.ep_group is None:
+            routed = self.run_experts(rows, counts)
+        else:
+            sent = dispatch(rows, counts, self.ep_group)
+            routed = combine(self.run_experts(sent.rows, sent.counts), sent)
+        routed = routed * weights.flatten()[order, None]
+        return torch.zeros(x.shape, dtype=routed.dtype, device=x.device).index_add_(0, token, routed).to(x.dtype)
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts this rank holds on `rows`, sorted by expert with `counts[e]` rows for expert e."""
+        up, down = local(self.up_proj), local(self.down_proj)
         lora = self._modules.get("lora")  # per-expert LoRA adapters (lora.py), when fine-tuned with LoRA
         # One grouped GEMM per projection where supported: no per-expert launches and no host sync on
         # the counts; otherwise one matmul per expert.
@@ -290,8 +313,7 @@ class Experts(nn.Module):
         routed = expert_matmul(hidden, down, groups)
         if lora is not None and "down_proj" in lora:
             routed = lora["down_proj"](routed, hidden, groups)
-        routed = routed * weights.flatten()[order, None]
-        return torch.zeros(x.shape, dtype=routed.dtype, device=x.device).index_add_(0, token, routed).to(x.dtype)
+        return routed
 
 
 class MoE(nn.Module):

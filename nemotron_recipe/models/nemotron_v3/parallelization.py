@@ -3,7 +3,8 @@
 `PARALLELIZER._apply` (the published signature) works on any Nemotron-H a caller brings: this
 package's model, transformers' `NemotronHForCausalLM` and the remote-code `backbone.*` layout, over a
 device mesh the caller built. Parallelisms are applied in a fixed order, one small function each:
-    tensor + sequence parallel  ->  context parallel  ->  activation checkpointing  ->  compile  ->  FSDP2
+    tensor + sequence parallel  ->  expert parallel  ->  context parallel  ->  activation checkpointing
+    ->  compile  ->  FSDP2
 
 Context parallel gives each cp rank a load-balanced part of every sequence; Mamba2 and attention
 mixers exchange what they need across the cp group (models/nemotron_v3/context_parallel.py), the
@@ -19,7 +20,9 @@ block kind of the native model:
   norm weight are split the same way, and `out_proj` is rowwise. Groups never straddle ranks, so
   the gated norm needs no collective;
 - MoE blocks stay replicated across tp ranks (with sequence parallel they gather the sequence
-  and hand back their own shard);
+  and hand back their own shard); expert parallel (a `moe_mesh` with an `ep` dim) splits their routed
+  experts by expert instead, and rows travel to their experts' ranks (distributed/expert_parallel.py);
+  each rank's experts are FSDP units of their own over the `ep_shard` ranks;
 - the embedding is vocab-sharded (rowwise) and `lm_head` colwise with vocab-sharded logits, so the
   loss runs on vocab shards without gathering the full vocabulary;
 - LatentMoE's projections into and out of the latent space belong to the MoE block, replicated with it;
@@ -45,7 +48,7 @@ from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -60,14 +63,21 @@ from torch.distributed.tensor.parallel import (
 from nemotron_recipe.distributed.activation_checkpoint import is_checkpointed
 from nemotron_recipe.distributed.activation_checkpoint import wrap as checkpoint_wrap
 from nemotron_recipe.distributed.context_parallel import ContextParallel
+from nemotron_recipe.distributed.expert_parallel import shard_experts
 from nemotron_recipe.distributed.fsdp import set_prefetch, shard_by_dtype
 from nemotron_recipe.distributed.mesh import MeshError, data_parallel_mesh, submesh
 from nemotron_recipe.distributed.parallelizer import ModelParallelizer
-from nemotron_recipe.distributed.plan import ActivationCheckpointing, ParallelConfigError, check_sequence_parallel
+from nemotron_recipe.distributed.plan import (
+    ActivationCheckpointing,
+    ParallelConfigError,
+    check_experts_split,
+    check_sequence_parallel,
+)
 from nemotron_recipe.distributed.tensor_parallel import Compose, KeyValueHeadsParallel, ShardParameters
 
 from .context_parallel import check_mamba
 from .kernels import SELECTIVE_AC_SAVED_OPS
+from .lora import adapter_styles
 from .model import NemotronHForCausalLM
 
 __all__ = ["PARALLELIZER"]
@@ -77,7 +87,6 @@ logger = logging.getLogger(__name__)
 # Block-type names of the native model, transformers 5.x and the remote-code model, normalised.
 _KINDS = {
     "mamba": "mamba", "linear_attention": "mamba", "M": "mamba",
-from .lora import adapter_styles
     "attention": "attention", "full_attention": "attention", "*": "attention",
     "mlp": "mlp", "-": "mlp",
     "moe": "moe", "E": "moe",
@@ -315,6 +324,7 @@ def apply_tensor_parallel(model, blocks, tp_mesh, plan, sequence_parallel) -> No
         kind = _block_kind(block)
         styles = block_plan(kind, native=native, sequence_parallel=sequence_parallel, plan=plan, key_value=key_value)
         styles |= mtp_fusion_plan(block, sequence_parallel=sequence_parallel)
+        styles = adapter_styles(block, styles)  # LoRA adapters sharded like their base projections
         if styles:
             parallelize_module(block, tp_mesh, styles)
         if kind == "attention" and plan == "default" and hasattr(block.mixer, "num_key_value_groups"):
@@ -324,7 +334,6 @@ def apply_tensor_parallel(model, blocks, tp_mesh, plan, sequence_parallel) -> No
     model_styles = model_plan(model, native=native, sequence_parallel=sequence_parallel, plan=plan)
     parallelize_module(model, tp_mesh, model_styles)
     logger.info(
-        styles = adapter_styles(block, styles)  # LoRA adapters sharded like their base projections
         "tensor parallel: plan %r over %d ranks%s%s", plan, tp, ", sequence parallel" if sequence_parallel else "",
         f", each of {kv_heads} key/value heads on {tp // kv_heads} ranks" if key_value else "",
     )
@@ -337,6 +346,51 @@ def apply_context_parallel(blocks, cp_mesh: DeviceMesh) -> None:
         if _block_kind(block) in ("mamba", "attention"):
             block.mixer.context_parallel = cp
     logger.info("context parallel over %d ranks", cp.size)
+
+
+@dataclass(frozen=True)
+class ExpertMeshes:
+    """Expert parallel's meshes: `ep` splits each MoE block's routed experts, `dp` is what FSDP shards
+    each rank's experts over (the data-parallel ranks left once ep is carved out)."""
+
+    ep: DeviceMesh
+    dp: DeviceMesh
+
+
+def expert_meshes(moe_mesh: DeviceMesh | None, ep_name: str, shard_names: tuple[str, ...],
+                  replicate_name: str) -> ExpertMeshes | None:
+    """The expert meshes in a caller's `moe_mesh` (NeMo AutoModel's convention: dims `ep_axis_name` and
+    `ep_shard_axis_names`, and `dp_replicate` for HSDP); None without expert parallel."""
+    if moe_mesh is None or ep_name not in (moe_mesh.mesh_dim_names or ()) or moe_mesh[ep_name].size() == 1:
+        return None
+    names = moe_mesh.mesh_dim_names
+    missing = [n for n in shard_names if n not in names]
+    if missing:
+        raise ParallelConfigError(f"moe_mesh with dims {names}: no {missing} for the experts' FSDP. Fix: pass "
+                                  "ep_shard_axis_names=<the dims that shard each expert>, e.g. ('ep_shard',).")
+    dp_names = ((replicate_name,) if replicate_name in names and moe_mesh[replicate_name].size() > 1 else ()) \
+        + tuple(shard_names)
+    return ExpertMeshes(ep=moe_mesh[ep_name], dp=moe_mesh[dp_names])
+
+
+def apply_expert_parallel(blocks: list[nn.Module], ep_mesh: DeviceMesh) -> list[nn.Module]:
+    """Splits each MoE block's routed experts by expert over `ep_mesh` (each rank holds n/ep whole
+    experts, adapters included) and has them exchange rows over its group; returns the experts modules."""
+    experts = []
+    for block in blocks:
+        if _block_kind(block) != "moe":
+            continue
+        module = block.mixer.experts
+        if not hasattr(module, "ep_group"):
+            raise ParallelConfigError(
+                f"expert parallel (ep={ep_mesh.size()}) needs the native model's routed experts, not "
+                f"{type(module).__name__}. Fix: build the model with nemotron_recipe, or run without ep.")
+        if problem := check_experts_split(ep_mesh.size(), module.num_experts, has_moe=True):
+            raise ParallelConfigError(problem)
+        shard_experts(module, ep_mesh, module.num_experts)
+        module.ep_group = ep_mesh.get_group()
+        experts.append(module)
+    return experts
 
 
 def apply_activation_checkpointing(container, blocks, mode: str, every: int) -> list[nn.Module]:
@@ -378,6 +432,20 @@ def _computes_in_fp32(model: nn.Module) -> Callable[[str], bool]:
     return rule
 
 
+def apply_expert_fsdp(model, experts, expert_dp, data_parallel_size, mp_policy, offload_policy,
+                      reshard_after_forward) -> None:
+    """Each rank's experts become FSDP units of their own over the ranks that hold the same experts.
+    Their rows came from every data-parallel rank, so under FSDP's averaging they divide by the whole
+    data-parallel size, as every other unit does, not by their own mesh's."""
+    reshard = True if reshard_after_forward is None else reshard_after_forward
+    for module in experts:
+        shard_by_dtype(module, mesh=expert_dp, mp_policy=mp_policy, offload_policy=offload_policy,
+                       reshard_after_forward=reshard, keep_fp32=_computes_in_fp32(model))
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule):
+                unit.set_gradient_divide_factor(float(data_parallel_size))
+
+
 def apply_fsdp(model, blocks, dp_mesh, mp_policy, offload_policy, reshard_after_forward) -> None:
     """FSDP units: each block (split by dtype where needed), the embedding, the head, then the root."""
     reshard = True if reshard_after_forward is None else reshard_after_forward
@@ -412,6 +480,9 @@ class CallerOptions:
     forward_prefetch_depth: int = 1
     backward_prefetch_depth: int = 1
     ac_scope: tuple[str, ...] = ("all",)
+    moe_mesh: DeviceMesh | None = None
+    ep_axis_name: str = "ep"
+    ep_shard_axis_names: tuple[str, ...] = ("ep_shard",)
 
     _NAMES = {
         "enable_compile": "compile",
@@ -419,6 +490,9 @@ class CallerOptions:
         "fsdp2_forward_prefetch_depth": "forward_prefetch_depth",
         "fsdp2_backward_prefetch_depth": "backward_prefetch_depth",
         "activation_checkpointing_scope": "ac_scope",
+        "moe_mesh": "moe_mesh",
+        "ep_axis_name": "ep_axis_name",
+        "ep_shard_axis_names": "ep_shard_axis_names",
     }
 
     @classmethod
@@ -429,9 +503,11 @@ class CallerOptions:
         for name in sorted(set(kwargs) - set(cls._NAMES) - _IGNORED_LOGGED):
             _IGNORED_LOGGED.add(name)
             logger.warning("parallelizer: argument %s=%r has no effect on Nemotron-H; ignored", name, kwargs[name])
-        if "ac_scope" in known:
-            scope = known["ac_scope"]
-            known["ac_scope"] = (scope,) if isinstance(scope, str) else tuple(scope)
+        for name in ("ac_scope", "ep_shard_axis_names"):
+            if isinstance(known.get(name), str):
+                known[name] = (known[name],)
+            elif name in known:
+                known[name] = tuple(known[name])
         return cls(**known)
 
 
@@ -474,7 +550,9 @@ class NemotronHModelParallelizer(ModelParallelizer):
     ) -> nn.Module:
         """Apply every requested parallelism to a Nemotron-H model.
 
-        Order: tensor (+ sequence) parallel, context parallel, activation checkpointing, compile, FSDP.
+        Order: tensor (+ sequence) parallel, expert parallel, context parallel, activation checkpointing,
+        compile, FSDP. Expert parallel takes NeMo AutoModel's keywords: `moe_mesh` (dims `ep_axis_name`,
+        `ep_shard_axis_names`, optionally `dp_replicate`).
         FSDP averages gradients over the data-parallel ranks (its default); a caller whose loss is
         already normalised over the whole global batch calls `sum_data_parallel_gradients` after this.
         `activation_checkpointing` also takes a mode name or an `ActivationCheckpointing`; keyword
@@ -497,11 +575,13 @@ class NemotronHModelParallelizer(ModelParallelizer):
             )
         except MeshError as err:
             raise ParallelConfigError(str(err)) from None
+        ep = expert_meshes(options.moe_mesh, options.ep_axis_name, options.ep_shard_axis_names, dp_replicate_mesh_name)
         container, blocks = _decoder_blocks(model)
         mtp_container, mtp_blocks = _mtp_layers(model)
 
         if tp > 1:
             apply_tensor_parallel(model, blocks + mtp_blocks, tp_mesh, plan, sequence_parallel)
+        experts = apply_expert_parallel(blocks + mtp_blocks, ep.ep) if ep else []
         if cp > 1:
             apply_context_parallel(blocks + mtp_blocks, cp_mesh)
         _no_cache_in_training(model, container)
@@ -515,6 +595,8 @@ class NemotronHModelParallelizer(ModelParallelizer):
             apply_compile(inner_blocks)
         if reapply_trainability is not None:
             reapply_trainability(model)
+        if experts:
+            apply_expert_fsdp(model, experts, ep.dp, dp_mesh.size(), mp_policy, offload_policy, reshard_after_forward)
         apply_fsdp(model, blocks, dp_mesh, mp_policy, offload_policy, reshard_after_forward)
         if options.prefetch:
             set_prefetch(blocks, options.forward_prefetch_depth, options.backward_prefetch_depth)
