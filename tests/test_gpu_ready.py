@@ -462,3 +462,42 @@ def test_experts_with_unaligned_rows_take_the_per_expert_path():
     x = torch.randn(2, 8, cfg.hidden_size, dtype=torch.bfloat16)
     assert not model_mod._grouped_mm_supported(x[0], moe.experts.up_proj)
     assert moe(x).shape == x.shape
+
+
+# ------------------------------------------------------------------------------------------ the GPU image
+def test_helpers_import_without_hydra():
+    """The GPU image may lack hydra: the model and kernel tests import tests/helpers.py all the same."""
+    code = ("import sys; sys.modules['hydra'] = None; sys.modules['omegaconf'] = None; "
+            f"sys.path.insert(0, {str(REPO / 'tests')!r}); import helpers; print(helpers.scan_inputs.__name__)")
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "scan_inputs" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_document_ids_gather_without_all_gather_single(monkeypatch):
+    """torch 2.11 has the single-tensor all-gather as all_gather_into_tensor only."""
+    monkeypatch.delattr(dist_cp.dist, "all_gather_single", raising=False)
+    calls = []
+
+    def all_gather_into_tensor(out, t, group=None):
+        calls.append(group)
+        out.copy_(torch.cat([t, t + 100]))  # rank 1's ids: rank 0's plus 100
+
+    monkeypatch.setattr(dist_cp.dist, "all_gather_into_tensor", all_gather_into_tensor)
+    cp = ContextParallel(group="cp", rank=0, size=2)
+    local = torch.arange(8).view(2, 4)  # [b, l]: two chunks of 2 per rank
+    full = dist_cp.gather_sequence(local, cp)
+    assert calls == ["cp"] and full.shape == (2, 8)
+    assert full[0].tolist() == [0, 1, 100, 101, 102, 103, 2, 3]  # zig-zag: rank 0 holds chunks 0 and 3
+
+
+def test_torch_range_and_cpu_pin_are_declared():
+    """pyproject admits the GPU image's torch 2.11; CPU installs keep the exact 2.13.0 through the
+    constraints file the README's commands and .ci/run use."""
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert '"torch>=2.11,<2.14"' in pyproject
+    assert "torch==2.13.0" in (REPO / "constraints.txt").read_text().splitlines()
+    readme = (REPO / "README.md").read_text()
+    assert "pip install -e . -c constraints.txt && python -m recipes.finetune" in readme
+    assert "pip install -e '.[dev]' -c constraints.txt && pytest -q" in readme
+    ci = (REPO / ".ci" / "run").read_text()
+    assert "pip install -e '.[dev]' -c constraints.txt" in ci and '/pytest" -q' in ci
