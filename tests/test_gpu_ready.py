@@ -437,12 +437,14 @@ def test_gpu_check_dry_run_prints_the_plan(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "skip hydra_core-1.3.8-py3-none-any.whl: hydra_core is installed" in out
-    assert (f"would run (limit 120s): python3 -m pip install -q --no-deps --no-index "
+    assert (f"would run (limit 60s): python3 -m pip install -q --no-deps --no-index "
             f"{wheels}/not_installed_anywhere-1.0-py3-none-any.whl") in out
     assert "python3 -m pip install -q --no-deps --no-build-isolation -e ." in out
     assert "--no-deps --no-index --find-links /opt/mamba mamba-ssm causal-conv1d" in out
     assert "python3 -m pytest -q tests/test_gpu_ready.py" in out
     assert "python3 -m benchmarks.throughput --preset gpu_1b --dtype bf16 --device cuda" in out
+    limits = [int(line.split("(limit ")[1].split("s)")[0]) for line in out.splitlines() if "(limit " in line]
+    assert sum(limits) <= 470, limits  # with the CUDA check, inside 8 minutes
     assert " python " not in out and "CUDA" not in proc.stderr  # python3 only, and no GPU asked for
 
 
