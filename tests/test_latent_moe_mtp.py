@@ -366,15 +366,15 @@ WORKER = Path(__file__).parent / "distributed" / "latent_mtp_worker.py"
 
 
 def test_mesh_invariance_with_latent_moe_and_mtp(tmp_path):
-    """fsdp 2, tp 2 + sequence parallel, cp 2 (and fsdp 2, tp 2 + SP with every block checkpointed) train
-    like one process within 1e-5: losses and MTP losses of 3 steps, and every gradient of the first."""
+    """fsdp 2, tp 2 + sequence parallel, cp 2 (and fsdp 2, tp 2 + SP with every block checkpointed, fsdp 2
+    with ep 2) train like one process within 1e-5: losses and MTP losses of 3 steps, every first gradient."""
     out = tmp_path / "out.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER), str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     results = json.loads(out.read_text())
-    assert set(results) == {"fsdp2", "tp2_sp", "cp2", "fsdp2_ac", "tp2_sp_ac"}
+    assert set(results) == {"fsdp2", "tp2_sp", "cp2", "fsdp2_ac", "tp2_sp_ac", "fsdp2_ep2"}
     for case, r in results.items():
         for step, (got, ref) in enumerate(zip(r["losses"] + r["mtp_losses"], r["ref_losses"] + r["ref_mtp_losses"])):
             assert abs(got - ref) <= 1e-5 * abs(ref), f"{case}: loss {step} {got} vs one process {ref}"

@@ -1,6 +1,7 @@
 """Runs under torchrun with 2 ranks: a model with LatentMoE and two MTP depths trains on fsdp 2, tp 2 +
-sequence parallel, cp 2, and fsdp 2 and tp 2 + SP with every block checkpointed, and on one process; writes each case's
-losses, MTP losses and first-step gradients to a JSON file for tests/test_latent_moe_mtp.py.
+sequence parallel, cp 2, fsdp 2 and tp 2 + SP with every block checkpointed, fsdp 2 with expert
+parallel 2, and on one process; writes each case's losses, MTP losses and first-step gradients to a
+JSON file for tests/test_latent_moe_mtp.py.
 
     torchrun --standalone --nproc-per-node 2 tests/distributed/latent_mtp_worker.py OUT.json
 
@@ -35,10 +36,12 @@ CFG = NemotronHConfig(
     n_group=2, topk_group=1, routed_scaling_factor=2.5, moe_latent_size=12, num_nextn_predict_layers=2,
     mtp_pattern="*E", mtp_loss_scale=0.3,
 )
-# name: (dp_shard, cp, tp, sequence_parallel, ac)
-# AC "full": every block, MTP layers included, is recomputed.
-CASES = {"fsdp2": (2, 1, 1, False, "none"), "tp2_sp": (1, 1, 2, True, "none"), "cp2": (1, 2, 1, False, "none"),
-         "fsdp2_ac": (2, 1, 1, False, "full"), "tp2_sp_ac": (1, 1, 2, True, "full")}
+# name: (dp_shard, cp, tp, sequence_parallel, ac, ep)
+# AC "full": every block, MTP layers included, is recomputed. ep 2: the routed experts (the MTP
+# layer's too) split over the two fsdp ranks.
+CASES = {"fsdp2": (2, 1, 1, False, "none", 1), "tp2_sp": (1, 1, 2, True, "none", 1), "cp2": (1, 2, 1, False, "none", 1),
+         "fsdp2_ac": (2, 1, 1, False, "full", 1), "tp2_sp_ac": (1, 1, 2, True, "full", 1),
+         "fsdp2_ep2": (2, 1, 1, False, "none", 2)}
 
 
 def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,8 +102,8 @@ def main() -> None:
     ids, targets = make_batch()
     reference = train(build_model().train(), ids, targets) if rank == 0 else None
     results = {}
-    for case, (shard, cp, tp, sp, ac) in CASES.items():
-        plan = ParallelPlan(dp_shard=shard, cp=cp, tp=tp, sequence_parallel=sp, ac=ActivationCheckpointing(ac))
+    for case, (shard, cp, tp, sp, ac, ep) in CASES.items():
+        plan = ParallelPlan(dp_shard=shard, cp=cp, tp=tp, ep=ep, sequence_parallel=sp, ac=ActivationCheckpointing(ac))
         meshes = plan.build_meshes()
         model = build_model()
         PARALLELIZER.parallelize(model, plan, meshes)
