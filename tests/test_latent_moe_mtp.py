@@ -382,3 +382,16 @@ def test_mesh_invariance_with_latent_moe_and_mtp(tmp_path):
         worst = max(r["grad_rel_err"].items(), key=lambda kv: kv[1])
         assert worst[1] <= 1e-5, f"{case}: gradient of {worst[0]} differs by {worst[1]:.2e}"
         assert any(n.startswith("mtp.") for n in r["grad_rel_err"]), case
+
+
+def test_checkpoints_saved_before_the_latent_and_mtp_fields_still_resume(tmp_path):
+    """A checkpoint's meta.json without the fields added for LatentMoE and MTP (or the weight dtypes) is
+    the same model as one built today with their defaults; another model is still refused."""
+    from nemotron_recipe.training.checkpoint import check_model_config
+
+    config = NemotronHConfig(weight_dtypes={"lm_head.weight": "bfloat16"})
+    added = ("moe_latent_size", "num_nextn_predict_layers", "mtp_pattern", "mtp_loss_scale", "weight_dtypes")
+    older = {k: v for k, v in dataclasses.asdict(config).items() if k not in added}
+    check_model_config(tmp_path, {"model": older}, config)
+    with pytest.raises(CheckpointError, match="num_nextn_predict_layers: 0 in the checkpoint, 1 in this run"):
+        check_model_config(tmp_path, {"model": older}, dataclasses.replace(config, num_nextn_predict_layers=1))
