@@ -54,6 +54,8 @@ class _FakeCausalConv1d(torch.autograd.Function):
             assert x.stride(2) % 8 == 0 and x.stride(0) % 8 == 0, (
                 f"causal_conv1d with channel last layout requires strides (x.stride(0) and x.stride(2)) to be "
                 f"multiples of 8, got {x.stride()}")
+            out = torch.empty_like(x)  # the interface allocates out (and dx) so, and the kernel writes
+            assert out.stride(1) == 1, f"channel-last kernel, but empty_like(x) is not channels-last: {out.stride()}"
         if seq_idx is not None:
             assert channel_last, "seq_idx is only supported for channel last layout"
             assert seq_idx.dtype == torch.int32 and seq_idx.is_contiguous() and seq_idx.shape == (b, seqlen)
@@ -170,7 +172,9 @@ def test_conv_kernel_input_layout():
     t = kernels._conv_kernel_input(x)
     assert t.shape == (2, 96, 16) and t.stride(1) == 1 and t.stride(2) % 8 == 0 and t.stride(0) % 8 == 0
     aligned = torch.randn(2, 16, 96)
-    assert kernels._conv_kernel_input(aligned).data_ptr() == aligned.data_ptr()  # no copy when aligned
+    assert kernels._conv_kernel_input(aligned).data_ptr() == aligned.data_ptr()  # no copy when dense
+    wide = torch.randn(2, 16, 192)[:, :, :96]  # strides multiples of 8, but empty_like would not keep them
+    assert kernels._conv_kernel_input(wide).transpose(1, 2).is_contiguous()
     assert kernels._conv_kernel_input(torch.randn(2, 16, 100)) is None
 
 
