@@ -102,14 +102,16 @@ _KERNEL_DEVICES = ("cuda",)  # where the installed conv kernel runs (tests add "
 
 def _conv_kernel_input(x: torch.Tensor) -> torch.Tensor | None:
     """x [b, l, C] laid out as `causal_conv1d_fn` takes it in its channels-last mode: the transposed
-    view [b, C, l] of a dense x, so the batch and time strides are multiples of 8 and the output and
-    input gradient, which the kernel allocates `empty_like` its input and writes with channel stride
-    1, are channels-last too. A strided view (a rank's one group sliced out of the input projection,
-    or a context-parallel rank's virtual groups) is copied. None when the kernel cannot take C
-    channels (C % 8 != 0)."""
+    view [b, C, l] with channels contiguous and the batch and time strides multiples of 8. A view
+    that breaks this (a rank's one group sliced out of the input projection, or a context-parallel
+    rank's virtual groups) is copied. (The kernel's output and input gradient are `empty_like` the
+    input, which keeps its stride order, so they are channels-last too.) None when the kernel cannot
+    take C channels (C % 8 != 0)."""
     if x.shape[-1] % 8:
         return None
-    return x.contiguous().transpose(1, 2)
+    if x.stride(-1) != 1 or x.stride(1) % 8 or x.stride(0) % 8:
+        x = x.contiguous()
+    return x.transpose(1, 2)
 
 
 def causal_conv1d_silu(
