@@ -507,3 +507,58 @@ def test_torch_range_and_cpu_pin_are_declared():
     assert "pip install -e '.[dev]' -c constraints.txt && pytest -q" in readme
     ci = (REPO / ".ci" / "run").read_text()
     assert "pip install -e '.[dev]' -c constraints.txt" in ci and '/pytest" -q' in ci
+
+
+# ------------------------------------------------------------------------------------------ on a GPU
+@cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or kernels._cuda_conv() is None, reason="needs causal_conv1d")
+@pytest.mark.parametrize("tp,cp_size", [(4, 1), (1, 4), (2, 2), (4, 2)])
+def test_cuda_conv_kernel_takes_the_parallel_layouts(monkeypatch, tp, cp_size):
+    mixer = _local_mixer(tp).cuda()
+    g, r = mixer.A_log.numel() // mixer.heads_per_group, mixer.heads_per_group
+    xbc = torch.randn(2, 64, g, mixer.conv_group, device="cuda")
+    dt = torch.randn(2, 64, g, r, device="cuda")
+    docs = _documents(2, 64).cuda()
+
+    def run():
+        if cp_size == 1:
+            return mixer.conv_and_scan(xbc, dt, document_ids=docs)
+        return model_cp.context_parallel_conv_and_scan(mixer, xbc, dt, _identity_cp(monkeypatch, cp_size, 1), docs)
+
+    out = run()
+    monkeypatch.setattr(kernels, "_KERNEL_DEVICES", ())
+    torch.testing.assert_close(out, run(), rtol=1e-4, atol=1e-4)
+
+
+@cuda
+def test_cuda_attention_reaches_flash_or_memory_efficient_kernels():
+    """Restricted to one backend, SDPA raises if the call cannot run there (never the math kernel)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(2, 8, 256, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+    docs = _documents(2, 256).cuda()
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        causal_attention(q, k, k)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        causal_attention(q, k, k, docs)
+        causal_attention(q.float(), k.float(), k.float())
+        causal_attention(q.float(), k.float(), k.float(), docs)
+
+
+@cuda
+def test_cuda_training_step_has_no_host_sync(monkeypatch):
+    """The tiny preset in bf16 on the GPU, PyTorch scan and conv, under CUDA's sync debug mode."""
+    monkeypatch.setattr(kernels, "_triton_scan", lambda: None)
+    monkeypatch.setattr(kernels, "_KERNEL_DEVICES", ())
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(PRESETS["tiny"]).to(device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, 512, (2, 128), device="cuda")
+    docs = _documents(2, 128).cuda()
+    model(ids, targets=ids, loss_chunk_size=64, document_ids=docs).loss_sum.backward()  # warm caches
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(ids, targets=ids, loss_chunk_size=64, document_ids=docs).loss_sum.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
