@@ -449,6 +449,9 @@ def _moe_problems(cfg: Any, model_config: NemotronHConfig, plan: ParallelPlan) -
     rate = cfg.moe.bias_update_rate
     if rate < 0:
         errors.append(f"moe.bias_update_rate={rate}: must be >= 0 (0: off). Fix: e.g. moe.bias_update_rate=1e-3.")
+    if rate > 0 and cfg.moe.freeze_router:
+        errors.append(f"moe.bias_update_rate={rate} with moe.freeze_router=true: a frozen router keeps its correction "
+                      "bias too. Fix: moe.bias_update_rate=0, or moe.freeze_router=false.")
     for name, value in (("bias_update_rate", rate), ("freeze_router", cfg.moe.freeze_router)):
         if value and not has_moe:
             errors.append(f"moe.{name}={value}: the model (pattern {model_config.pattern!r}) has no MoE block. "

@@ -1,13 +1,27 @@
 """Aux-loss-free balancing: expert loads over a step's micro-batches, the imbalance metric and the
-correction-bias update they drive."""
+correction-bias update they drive, the same on every mesh; expert parallel in the recipe."""
 
 from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from nemotron_recipe.config import ConfigError, validate_config
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.training.finetune import run
+from nemotron_recipe.training.hf_io import load_checkpoint_model
 from nemotron_recipe.training.moe_balance import RouterBalance
+
+from helpers import RUN_BASE, compose_run, metrics_rows
 
 
 def _model() -> NemotronHForCausalLM:
@@ -47,3 +61,90 @@ def test_a_model_without_moe_blocks_has_nothing_to_balance():
     model = NemotronHForCausalLM(NemotronHConfig(pattern="M*-"))
     balance = RouterBalance(model, token_group=None, bias_update_rate=0.1)
     assert not balance and balance.after_step(taken=True) == {}
+
+
+# ---------------------------------------------------------------------------------------- recipe
+SHORT = ["trainer.val_every=0", "optim.warmup_steps=0", "trainer.log_every=1"]
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [r for r in metrics_rows(run_dir) if "loss" in r]
+
+
+def _biases(checkpoint: Path) -> torch.Tensor:
+    model, _, _ = load_checkpoint_model(checkpoint)
+    return torch.stack([b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")])
+
+
+def _skewed_data(path: Path) -> Path:
+    """Prompts and responses drawn from three words, one of them three times as often: most tokens
+    look alike to the router."""
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for _ in range(200):
+            words = " ".join(rng.choice(["moon", "moon", "moon", "star", "key"]) for _ in range(rng.randint(8, 30)))
+            f.write(json.dumps({"prompt": f"Repeat: {words}", "response": words}) + "\n")
+    return path
+
+
+def test_bias_updates_bring_a_skewed_load_down(tmp_path):
+    data = _skewed_data(tmp_path / "skewed.jsonl")
+    # A small LR keeps the routers nearly where they start, so the bias alone moves the load.
+    common = [*SHORT, "trainer.max_steps=50", f"data.train_file={data}", "data.val_file=null", "optim.lr=1e-5",
+              "checkpoint.save_final=false"]
+    imbalance = {}
+    for rate in (0.0, 0.01):
+        run(compose_run(tmp_path / str(rate), *common, f"moe.bias_update_rate={rate}"))
+        rows = _rows(tmp_path / str(rate))
+        imbalance[rate] = [statistics.mean(r["moe_load_imbalance"] for r in rows[:5]),
+                           statistics.mean(r["moe_load_imbalance"] for r in rows[-10:])]
+    assert imbalance[0.01][1] < 0.85 * imbalance[0.01][0], imbalance
+    assert imbalance[0.01][1] < 0.85 * imbalance[0.0][1], imbalance
+
+
+@pytest.mark.distributed
+def test_expert_parallel_run_matches_one_process_and_resumes_on_one(tmp_path):
+    """10 steps at ep 2 on 2 ranks, then 10 more resumed on one process, against 20 straight steps on
+    one process: the same losses, gradient norms and correction biases."""
+    common = [*SHORT, "trainer.max_steps=20", "checkpoint.every=10", "moe.bias_update_rate=0.01"]
+    run(compose_run(tmp_path / "straight", *common))
+    split = tmp_path / "split"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+         "recipes.finetune", *RUN_BASE, *common, "mesh.ep=2", "trainer.stop_at_step=10", f"hydra.run.dir={split}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((split / "summary.json").read_text())["mesh"]["ep"] == 2
+    resumed = run(compose_run(split, *common))
+    assert resumed["resumed_from"] == 10
+
+    got, want = _rows(split), _rows(tmp_path / "straight")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 21))
+    # Losses and loads to 1e-5 over all 20 steps; the gradient norm drifts further (2e-5 measured) as
+    # AdamW carries fp32 summation-order differences from step to step (5-step parity: test_parallel).
+    for key, rel in (("loss", 1e-5), ("moe_load_imbalance", 1e-5), ("grad_norm", 1e-4)):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=rel), key
+    for step in ("step_000010", "step_000020"):
+        biases = _biases(split / "checkpoints" / step)
+        assert biases.abs().max() > 0  # the update ran
+        torch.testing.assert_close(biases, _biases(tmp_path / "straight" / "checkpoints" / step), rtol=0, atol=1e-6)
+
+
+def test_a_frozen_router_keeps_its_weight_and_bias_while_the_experts_train(tmp_path):
+    run(compose_run(tmp_path, *SHORT, "trainer.max_steps=2", "checkpoint.every=1", "checkpoint.keep=0",
+                    "moe.freeze_router=true"))
+    states = [load_checkpoint_model(tmp_path / "checkpoints" / f"step_00000{s}")[0].state_dict() for s in (1, 2)]
+    routers = [n for n in states[0] if ".gate." in n]
+    assert routers and all(torch.equal(states[0][n], states[1][n]) for n in routers)
+    assert not torch.equal(*(s["model.layers.5.mixer.experts.up_proj"] for s in states))
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["moe.bias_update_rate=-0.1"], "moe.bias_update_rate=-0.1: must be >= 0"),
+    (["moe.bias_update_rate=0.01", "moe.freeze_router=true"], "a frozen router keeps its correction bias too"),
+    (["moe.freeze_router=true", "model.pattern=M*M-"], "moe.freeze_router=True: the model (pattern 'M*M-') has no MoE"),
+])
+def test_moe_options_that_cannot_apply_are_refused(tmp_path, overrides, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        validate_config(compose_run(tmp_path, *overrides))

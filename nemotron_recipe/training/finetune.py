@@ -44,6 +44,7 @@ from nemotron_recipe.training.compile import compile_blocks
 from nemotron_recipe.training.cpu_memory import keep_freed_memory
 from nemotron_recipe.training.hf_io import build_meta_model, export_run_checkpoint, load_hf_sharded
 from nemotron_recipe.training.logging import MetricsWriter, TrainMetrics, earlier_val_losses, print_summary
+from nemotron_recipe.training.moe_balance import RouterBalance, freeze_routers
 from nemotron_recipe.training.lora import base_record, lora_spec, peft_record, start_adapters, store_base
 from nemotron_recipe.training.loss import IGNORE_INDEX, forward_loss_sum, forward_loss_sums, local_value
 from nemotron_recipe.training.nonfinite import NonFiniteGuard
@@ -158,6 +159,7 @@ class StepResult:
     grad_norm: torch.Tensor  # the total gradient norm, before clipping
     skipped: bool = False  # not taken: its loss or gradient norm was not finite (trainer.nonfinite=skip)
     mtp_loss_sum: torch.Tensor | None = None  # this rank's MTP loss sum, when MTP layers are trained
+    moe_load_imbalance: float | None = None  # busiest expert / mean over the global batch, worst MoE block
 
 
 class Trainer:
@@ -245,7 +247,7 @@ class Trainer:
         )
         self.lora = lora_spec(cfg)
         self._check_peft(model)
-        model = self._parallelize(model, reapply_trainability=freeze_base if self.lora else None)
+        model = self._parallelize(model, reapply_trainability=self._trainability())
         if cfg.model.pretrained:
             shard_device = torch.device("cpu") if cfg.fsdp.offload else self.env.device
             # A LoRA checkpoint holds the adapters only: its base is read from model.pretrained.
@@ -257,6 +259,19 @@ class Trainer:
             start_adapters(model, cfg, self.lora)
         model.train()
         self.model = model
+
+    def _trainability(self) -> Callable[[torch.nn.Module], None] | None:
+        """What trains, set after tensor parallel has replaced the parameters: LoRA's adapters only, and
+        no router under `moe.freeze_router`."""
+        freeze = ([freeze_base] if self.lora else []) + ([freeze_routers] if self.cfg.moe.freeze_router else [])
+        if not freeze:
+            return None
+
+        def reapply(model: torch.nn.Module) -> None:
+            for f in freeze:
+                f(model)
+
+        return reapply
 
     def _check_peft(self, model: NemotronHForCausalLM) -> None:
         """LoRA: the base in peft.base_dtype with adapters added (before parallelizing), its record for
@@ -317,6 +332,7 @@ class Trainer:
         self.end_step = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
         self.stop = StopConditions(max_minutes=t.max_minutes, started=self.started, device=self.env.device)
         self.guard = NonFiniteGuard(t.nonfinite, t.max_skipped_steps, self.env.device)
+        self.balance = RouterBalance(self.model, self.layout.token_group, cfg.moe.bias_update_rate)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, Any]:
@@ -367,6 +383,8 @@ class Trainer:
         mtp_loss_sum = torch.zeros_like(loss_sum) if self.mtp_depths else None
         for batch in micro_batches:
             main, mtp = self._forward_backward(batch, denominator)
+            if self.balance:
+                self.balance.after_micro_batch()
             loss_sum += main
             if mtp_loss_sum is not None:
                 mtp_loss_sum += mtp
@@ -379,8 +397,11 @@ class Trainer:
             self.guard.reject(step + 1, grad_norm.item(), self._last_good_checkpoint())
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        # After the step, so the biases it moves route the next step's tokens.
+        moe = self.balance.after_step(taken=finite) if self.balance else {}
         return StepResult(loss_sum=loss_sum, trained_tokens=trained_tokens, lr=lr, grad_norm=grad_norm,
-                          skipped=not finite, mtp_loss_sum=mtp_loss_sum)
+                          skipped=not finite, mtp_loss_sum=mtp_loss_sum,
+                          moe_load_imbalance=moe.get("moe_load_imbalance"))
 
     def _last_good_checkpoint(self) -> Path | None:
         """The newest checkpoint this run saved or resumed from: every one of them is finite."""
@@ -433,7 +454,8 @@ class Trainer:
             losses = _all_reduce_sum(sums, self.layout.token_group) / max(result.trained_tokens, 1)
             mtp_loss = None if result.mtp_loss_sum is None else losses[1].item()
             self.metrics.log(self.step, loss=losses.flatten()[0].item(), lr=result.lr,
-                             grad_norm=result.grad_norm.item(), skipped=result.skipped, mtp_loss=mtp_loss)
+                             grad_norm=result.grad_norm.item(), skipped=result.skipped, mtp_loss=mtp_loss,
+                             moe_load_imbalance=result.moe_load_imbalance)
         self.writer.advance()
 
     def evaluate(self) -> None:

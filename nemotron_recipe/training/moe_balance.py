@@ -54,3 +54,11 @@ class RouterBalance:
                 bias.add_(self.rate * torch.sign(block_mean - block_load).to(bias.dtype))
         imbalance = (load.max(-1).values / mean.squeeze(-1).clamp_min(1e-9)).max().item()
         return {"moe_load_imbalance": imbalance, "expert_load": counts.tolist()}
+
+
+def freeze_routers(model: nn.Module) -> None:
+    """`moe.freeze_router`: the routers' weights take no gradient (their correction biases are buffers,
+    moved only by `RouterBalance`)."""
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.gate.weight.requires_grad_(False)
