@@ -71,6 +71,7 @@ TWO_RANK_CASES = [
     "1,2,1,1,0,none,fp32,moe_grouped,ep2",
     "1,2,1,1,0,full,fp32,moe,ep2",
     "1,1,2,1,0,none,fp32,moe,ep2",  # expert parallel 2 over cp
+    "1,2,1,1,0,none,fp32,moe,ep2,mean",  # FSDP's averaging: the experts divide by every data-parallel rank too
 ]
 FOUR_RANK_CASES = [
     "1,2,1,2,0,none,fp32",  # FSDP 2 x TP 2

@@ -6,7 +6,8 @@ the per-step losses and step-1 gradients of each to a JSON file for the tests to
 A CASE is `dp_replicate,dp_shard,cp,tp,sp,ac,dtype[,model[,epN]]`, e.g. `1,2,1,1,0,none,fp32`; dtype
 is fp32, bf16 or bf16_offload (CPU-offloaded parameters); model is native (default), groups2 (native
 with 2 Mamba groups, so that a cp larger than a rank's groups splits them) or hf (`transformers`);
-epN splits the routed experts over N expert-parallel ranks.
+epN splits the routed experts over N expert-parallel ranks; a 10th field `mean` keeps FSDP averaging
+gradients over the data-parallel ranks (each rank's loss is scaled up by their number to compare).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
 
-def train(model, ids, targets, *, dp_rank=0, dp_size=1, dp_group=None, cp=None):
+def train(model, ids, targets, *, dp_rank=0, dp_size=1, dp_group=None, cp=None, loss_scale=1.0):
     """Five AdamW steps; the loss of a step is its global token-loss sum over the global token count.
 
     `dp_group` spans every rank that holds different tokens (data and context parallel)."""
@@ -116,7 +117,7 @@ def train(model, ids, targets, *, dp_rank=0, dp_size=1, dp_group=None, cp=None):
         if step == 0:
             first_logits = full(logits).detach().clone()
         loss_sum, _ = cross_entropy_sum(logits, y)
-        (loss_sum / count).backward()
+        (loss_sum / count * loss_scale).backward()
         loss_sum = local_value(loss_sum).detach().clone()
         if dp_group is not None:
             dist.all_reduce(loss_sum, group=dp_group)
@@ -142,6 +143,7 @@ def main() -> None:
         rep, shard, cp, tp, sp, ac, dtype = fields[:7]
         model_name = fields[7] if len(fields) > 7 else "native"
         ep = int(fields[8].removeprefix("ep")) if len(fields) > 8 else 1
+        mean = len(fields) > 9 and fields[9] == "mean"  # FSDP's own averaging, the published default
         if model_name not in references and rank == 0:
             references[model_name] = train(build_model(model_name), ids, targets)
         plan = ParallelPlan(
@@ -152,12 +154,14 @@ def main() -> None:
         meshes = plan.build_meshes()
         model = build_model(model_name)
         PARALLELIZER.parallelize(model, plan, meshes, tp_shard_plan="mlp" if model_name == "hf" else None)
-        sum_data_parallel_gradients(model)  # the loss is divided by the global token count
+        if not mean:
+            sum_data_parallel_gradients(model)  # the loss is divided by the global token count
         dp = meshes.dp
         cp_ctx = ContextParallel(meshes.cp.get_group(), meshes.cp.get_local_rank(), plan.cp)
         split_group_scans[0] = 0
         losses, grads, logits = train(model, ids, targets, dp_rank=dp.get_local_rank(), dp_size=dp.size(),
-                                      dp_group=meshes.dp_cp.get_group(), cp=cp_ctx)
+                                      dp_group=meshes.dp_cp.get_group(), cp=cp_ctx,
+                                      loss_scale=meshes.dp_cp.size() if mean else 1.0)
         # Step-0 logits of this rank's samples and positions against the unsharded model's.
         per_rank = GLOBAL_BATCH // dp.size()
         with torch.no_grad():
