@@ -148,3 +148,19 @@ def test_a_frozen_router_keeps_its_weight_and_bias_while_the_experts_train(tmp_p
 def test_moe_options_that_cannot_apply_are_refused(tmp_path, overrides, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         validate_config(compose_run(tmp_path, *overrides))
+
+
+@pytest.mark.distributed
+def test_a_hugging_face_checkpoint_loads_under_expert_parallel_with_the_single_process_loss(tmp_path):
+    """Each rank reads its own experts from the files; the first steps equal one process's."""
+    run(compose_run(tmp_path / "source", *SHORT, "trainer.max_steps=2", "checkpoint.export_hf=true"))
+    common = [*SHORT, "trainer.max_steps=2", f"model.pretrained={tmp_path / 'source' / 'hf'}"]
+    run(compose_run(tmp_path / "one", *common))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+         "recipes.finetune", *RUN_BASE, *common, "mesh.ep=2", f"hydra.run.dir={tmp_path / 'ep2'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = _rows(tmp_path / "ep2"), _rows(tmp_path / "one")
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-5)
