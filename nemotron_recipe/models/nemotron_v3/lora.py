@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (
@@ -194,6 +195,20 @@ def _is_experts(model: nn.Module, name: str) -> bool:
         return isinstance(model.get_submodule(name), Experts)
     except AttributeError:
         return False
+
+
+def adapter_modules(module: nn.Module) -> list[nn.Module]:
+    """The adapter modules below `module` (each `lora_A`, `lora_B`, routed experts' `ExpertLoRA`), which
+    FSDP shards as one unit: as units of their own (fp32 beside a bf16 base), every small adapter
+    would be gathered on its own."""
+    return [m for name, m in module.named_modules() if isinstance(m, ExpertLoRA)
+            or (isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in ("lora_A", "lora_B"))]
+
+
+def shard_adapters(module: nn.Module, **fsdp_options) -> None:
+    """`fully_shard`s the adapters below `module` (a block) as one FSDP unit, if it has any."""
+    if adapters := adapter_modules(module):
+        fully_shard(adapters, **fsdp_options)
 
 
 def freeze_base(model: nn.Module) -> None:

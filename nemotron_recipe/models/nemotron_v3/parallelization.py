@@ -77,7 +77,7 @@ from nemotron_recipe.distributed.tensor_parallel import Compose, KeyValueHeadsPa
 
 from .context_parallel import check_mamba
 from .kernels import SELECTIVE_AC_SAVED_OPS
-from .lora import adapter_styles
+from .lora import adapter_styles, shard_adapters
 from .model import NemotronHForCausalLM
 
 __all__ = ["PARALLELIZER"]
@@ -452,6 +452,8 @@ def apply_fsdp(model, blocks, dp_mesh, mp_policy, offload_policy, reshard_after_
     common = dict(mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy,
                   keep_fp32=_computes_in_fp32(model))
     for block in blocks:
+        shard_adapters(block, mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
+                       offload_policy=offload_policy or OffloadPolicy(), reshard_after_forward=reshard)
         shard_by_dtype(block, reshard_after_forward=reshard, **common)
     embed_path, _, head_path = _embedding_and_head(model)
     embedding, head = model.get_submodule(embed_path), model.get_submodule(head_path)
