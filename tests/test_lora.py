@@ -288,3 +288,28 @@ def test_lora_curves_match_one_process(lora_meshes, case):
         # colwise bases shard B, rowwise ones A: two projections per dense block (2 Mamba, 1 attention
         # with four, 2 MLP); the MoE block stays replicated over tp.
         assert len(result["tp_sharded"]) == 12 and not any("experts" in n for n in result["tp_sharded"])
+
+
+@pytest.mark.distributed
+def test_lora_checkpoint_resumes_on_other_meshes(tmp_path):
+    """A one-process LoRA checkpoint continues on fsdp 2 and on tp 2 + sequence parallel (one torchrun
+    launch), each as the uninterrupted one-process run."""
+    common = ["peft=lora", "trainer.max_steps=4"]
+    lora_run(tmp_path / "straight", *common)
+    lora_run(tmp_path / "first", *common, "trainer.stop_at_step=2")
+    ckpt = tmp_path / "first" / "checkpoints" / "step_000002"
+    meshes = {"fsdp": [], "tp_sp": ["mesh.tp=2", "mesh.sequence_parallel=true"]}
+    jobs = [[*FAST, *common, f"run_dir={tmp_path / name}", f"checkpoint.resume={ckpt}", *mesh]
+            for name, mesh in meshes.items()]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(WORKER.parent / "recipe_worker.py"), json.dumps(jobs)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    straight = [r["loss"] for r in metrics_rows(tmp_path / "straight") if "loss" in r][2:]
+    for name in meshes:
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["resumed_from"] == 2 and summary["world_size"] == 2
+        resumed = [r["loss"] for r in metrics_rows(tmp_path / name) if "loss" in r]
+        assert resumed == pytest.approx(straight, rel=PARITY_RTOL), name
