@@ -6,6 +6,7 @@
     python -m benchmarks.throughput --sweep-seq --preset h1024 --pattern MMMM --batch 1
     torchrun --standalone --nproc-per-node 2 -m benchmarks.throughput --mesh dp_shard=2
     python -m benchmarks.throughput --ac --preset tiny
+    python -m benchmarks.throughput --peft lora --preset h1024 --dtype bf16 --batch 1 --ac full
 
 Both models are built from one config (`transformers.NemotronHConfig(**cfg.to_hf_dict())`) and hold
 the same weights: ours is loaded from transformers' state dict. A step is forward, backward and an
@@ -22,6 +23,10 @@ optimizer state plus the allocator's peak during one step above the step's start
 their optimizers share the device, so the allocator's absolute peak would count the other one). On CPU, the peak resident set
 during one step above the resident set before it (Linux `/proc/self/status` VmHWM, reset through
 `/proc/self/clear_refs`), and the bytes autograd saves for backward (activations).
+
+`--peft lora` times our LoRA step against our full fine-tuning step (same weights and batch; fp32
+master weights against a base stored in `--dtype`, both computing in `--dtype`) under `--ac MODE`, and
+reports each one's step time and peak memory (resident weights and optimizer state plus the step's peak).
 
 `--ac` times ours alone under every activation-checkpointing mode instead (same weights and batch,
 the recipe's parallelizer on a one-process group, or on `--mesh` under torchrun), steps interleaved
@@ -162,15 +167,15 @@ def parallel_setup(args: argparse.Namespace, world_size: int, device_type: str):
     return plan, plan.build_meshes(device_type)
 
 
-def parallelize(model: torch.nn.Module, parallel, args: argparse.Namespace) -> torch.nn.Module:
+def parallelize(model: torch.nn.Module, parallel, args: argparse.Namespace, **kwargs) -> torch.nn.Module:
     """The recipe's parallelization (FSDP2, TP/SP, CP, AC) as `--mesh` and `--ac` say; transformers'
-    model gets the reference plan the parallelizer gives it."""
+    model gets the reference plan the parallelizer gives it. `kwargs` go to `parallelize_model`."""
     from nemotron_recipe.distributed.plan import ActivationCheckpointing
     from nemotron_recipe.training.setup import parallelize_model
 
     plan, meshes = parallel
     plan = dataclasses.replace(plan, ac=ActivationCheckpointing(args.ac, args.ac_every))
-    return parallelize_model(model, plan, meshes)
+    return parallelize_model(model, plan, meshes, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------- steps
@@ -612,7 +617,53 @@ def compare_ac(args, cfg, device, parallel) -> dict[str, Any]:
     return result
 
 
+def compare_peft(args, cfg, device, parallel) -> dict[str, Any]:
+    """Our LoRA step against our full fine-tuning step, as the recipe runs each: the same weights and
+    batch, fp32 master weights for full fine-tuning and the base stored in `--dtype` for LoRA, both
+    computing in `--dtype`. Step time (interleaved, median) and peak memory: the model's resident
+    weights and optimizer state plus the step's peak above its start."""
+    from nemotron_recipe.models.nemotron_v3.lora import LoRASpec, add_adapters, freeze_base, init_adapters
+
+    full, _ = build_models(cfg, device, torch.float32, args.seed, "ours")
+    lora = copy.deepcopy(full).to(DTYPES[args.dtype])
+    add_adapters(lora, LoRASpec(rank=args.lora_rank))
+    if parallel is None:  # one process: a group of one, so FSDP units and all run as in the recipe
+        from nemotron_recipe.distributed.env import init_distributed
+
+        init_distributed(device.type)
+        parallel = parallel_setup(args, 1, device.type)
+    args.tp = parallel[0].tp
+    models = {"full": parallelize(full, parallel, args),
+              "lora": parallelize(lora, parallel, args, reapply_trainability=freeze_base)}
+    init_adapters(models["lora"], args.seed)
+    ids, targets = _batch(cfg, args, device, parallel)
+    optimizers = {name: make_optimizer(model, args.adamw) for name, model in models.items()}
+    steps = {name: functools.partial(ours_step, model, optimizers[name], ids, targets, args)
+             for name, model in models.items()}
+    for _ in range(args.warmup):
+        for step in steps.values():
+            step()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    cpu_times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(args.steps):
+        for name, step in steps.items():
+            wall, cpu = timed(step, device)
+            times[name].append(wall)
+            cpu_times[name].append(cpu)
+    result = {}
+    for name, model in models.items():
+        resident = resident_bytes(model, optimizers[name])
+        above = step_memory(steps[name], model, device, optimizers[name])
+        peak = above["peak"] if device.type == "cuda" else resident + (above["peak"] or 0)
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        result[name] = {"median_s": statistics.median(times[name]), "cpu_s": statistics.median(cpu_times[name]),
+                        "times": times[name], "peak": peak, "resident": resident, "trained": trained}
+    return result
+
+
 # ---------------------------------------------------------------------------------------- report
+PEFT_HEADER = ("| date (commit) | device | config | dtype | mesh | batch x seq | ac | LoRA rank | trained params | "
+               "full s/step | LoRA s/step | LoRA/full time | full peak mem | LoRA peak mem | LoRA/full mem | command |")
 COMPARE_HEADER = (
     "| date (commit) | device | config | dtype | mesh | batch x seq | ours tok/s | theirs tok/s | ours/theirs | "
     "ours TFLOP/s (MFU) | theirs TFLOP/s (MFU) | peak mem ours / theirs | fast paths | command |"
@@ -760,6 +811,25 @@ def report_ac(args, cfg, device, result, mesh_desc) -> None:
             _append_row(AC_HEADER, row)
 
 
+def report_peft(args, cfg, device, result, mesh_desc) -> None:
+    full, lora = result["full"], result["lora"]
+    time_ratio = f"{lora['median_s'] / full['median_s']:.2f}x (cpu {lora['cpu_s'] / full['cpu_s']:.2f}x)"
+    mem_ratio = f"{lora['peak'] / full['peak']:.2f}x"
+    print(f"device: {device_name(device)}; config: {describe(cfg, args.preset)}; batch {args.batch} x seq "
+          f"{args.seq_len}, {args.dtype} compute, ac={args.ac}, mesh {mesh_desc}; LoRA rank {args.lora_rank}")
+    for name, r in result.items():
+        print(f"{name:>5}: {r['median_s']:.3f} s/step, peak {_gib(r['peak'])} (resident {_gib(r['resident'])}), "
+              f"{r['trained'] / 1e6:.2f}M trained parameters")
+    print(f"LoRA/full: time {time_ratio}, peak memory {mem_ratio}")
+    if args.record:
+        row = (f"| {_measured()} | {device_name(device)} | {describe(cfg, args.preset)} | {args.dtype} | {mesh_desc} | "
+               f"{args.batch} x {args.seq_len} | {_ac_name(args.ac, args)} | {args.lora_rank} | "
+               f"{lora['trained'] / 1e6:.2f}M of {full['trained'] / 1e6:.1f}M | {full['median_s']:.3f} | "
+               f"{lora['median_s']:.3f} | {time_ratio} | {_gib(full['peak'])} | {_gib(lora['peak'])} | {mem_ratio} | "
+               f"`{_command(args.argv)}` |")
+        _append_row(PEFT_HEADER, row)
+
+
 def _ac_name(mode: str, args) -> str:
     return f"every_nth (every={args.ac_every})" if mode == "every_nth" else mode
 
@@ -791,6 +861,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ac", nargs="?", const="all", default="none",
                    help="activation checkpointing mode under --mesh; alone (or 'all'): time ours under every mode")
     p.add_argument("--ac-every", type=int, default=2, help="N of ac=every_nth")
+    p.add_argument("--peft", choices=("lora",), help="time our LoRA step against our full fine-tuning step "
+                   "(fp32 master weights; the LoRA base stored in --dtype), under --ac")
+    p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--sweep-seq", action="store_true", help="time ours at each of --sweep-lens and print the ratio")
     p.add_argument("--sweep-lens", default="2048,8192")
     p.add_argument("--no-keep-freed-memory", dest="keep_freed_memory", action="store_false",
@@ -840,6 +913,12 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit("--sweep-seq runs in one process")
             out = sweep(args, cfg, device)
             report_sweep(args, cfg, device, out)
+        elif args.peft:
+            if args.ac == "all":
+                raise SystemExit("--peft compares under one activation-checkpointing mode: give --ac MODE")
+            result = compare_peft(args, cfg, device, parallel)
+            if rank0:
+                report_peft(args, cfg, device, result, mesh_desc)
         elif args.ac == "all":
             result = compare_ac(args, cfg, device, parallel)
             if rank0:
