@@ -164,3 +164,19 @@ def test_a_hugging_face_checkpoint_loads_under_expert_parallel_with_the_single_p
     assert proc.returncode == 0, proc.stderr[-3000:]
     got, want = _rows(tmp_path / "ep2"), _rows(tmp_path / "one")
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_lora_under_expert_parallel_matches_one_process(tmp_path):
+    """Adapters on the routed experts split by expert with them; the curve is one process's."""
+    common = [*SHORT, "trainer.max_steps=3", "peft=lora"]
+    run(compose_run(tmp_path / "one", *common))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+         "recipes.finetune", *RUN_BASE, *common, "mesh.ep=2", f"hydra.run.dir={tmp_path / 'ep2'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = _rows(tmp_path / "ep2"), _rows(tmp_path / "one")
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5), key

@@ -4,7 +4,8 @@ every token row travels to the rank of its expert and back.
 Dropless: every row is computed, whatever the routing, so results do not depend on `ep`. The
 exchange is plain PyTorch (autograd-aware all-to-alls of `torch.distributed._functional_collectives`),
 so it runs on gloo as on NCCL. Its one host sync is the row counts each pair of ranks exchanges, which
-`all_to_all_single` needs as Python ints.
+`all_to_all_single` needs as Python ints. On fake tensors (memory planning) routing is unknown, and the
+exchange assumes balanced loads.
 
     sent = dispatch(rows, counts, group)        # rows sorted by global expert, counts [E]
     out = my_experts(sent.rows, sent.counts)    # rows grouped by local expert, counts [E / ep]
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -40,10 +42,13 @@ def dispatch(rows: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup)
     rank holding its expert: rank r holds experts [r * E/ep, (r+1) * E/ep)."""
     ep = dist.get_world_size(group)
     local = counts.numel() // ep
-    counts = counts.to(torch.int64)
-    # counts_from[src, e]: rows rank `src` sends to this rank's local expert e.
-    counts_from = funcol.wait_tensor(funcol.all_to_all_single(counts, None, None, group)).view(ep, local)
-    send, recv = torch.stack([counts.view(ep, local).sum(1), counts_from.sum(1)]).tolist()
+    if is_fake(rows):
+        send, recv, counts_from = _balanced_guess(rows, ep, local)
+    else:
+        counts = counts.to(torch.int64)
+        # counts_from[src, e]: rows rank `src` sends to this rank's local expert e.
+        counts_from = funcol.wait_tensor(funcol.all_to_all_single(counts, None, None, group)).view(ep, local)
+        send, recv = torch.stack([counts.view(ep, local).sum(1), counts_from.sum(1)]).tolist()
     received = funcol.all_to_all_single_autograd(rows, recv, send, group)
     received = funcol.wait_tensor(received) if isinstance(received, funcol.AsyncCollectiveTensor) else received
     # Received rows come source-major (each source's rows by local expert); experts want them expert-major.
@@ -51,6 +56,18 @@ def dispatch(rows: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup)
         counts_from.flatten().to(rows.device), output_size=received.shape[0])
     order = expert_of_row.argsort(stable=True)
     return Dispatched(received[order], counts_from.sum(0).to(rows.device), send, recv, order, group)
+
+
+def _even(total: int, parts: int) -> list[int]:
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def _balanced_guess(rows: torch.Tensor, ep: int, local: int) -> tuple[list[int], list[int], torch.Tensor]:
+    """Splits for fake tensors (memory planning), whose routing is unknown: rows spread evenly over
+    ranks and experts, as many received as sent."""
+    send = _even(rows.shape[0], ep)
+    counts_from = torch.tensor([_even(n, local) for n in send], dtype=torch.int64, device=rows.device)
+    return send, list(send), counts_from
 
 
 def combine(out: torch.Tensor, sent: Dispatched) -> torch.Tensor:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (
@@ -43,7 +43,7 @@ from torch.distributed.tensor.parallel import (
 
 from .checkpoint import mamba_in_proj_order
 from .config import ModelConfigError, NemotronHConfig
-from .model import Experts, NemotronHForCausalLM, expert_matmul
+from .model import Experts, NemotronHForCausalLM, expert_matmul, local
 
 # Every linear projection of every block kind; routed experts (`experts.up_proj`) included.
 DEFAULT_TARGETS = ("*.in_proj", "*.out_proj", "*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj", "*.up_proj",
@@ -127,8 +127,10 @@ class ExpertLoRA(nn.Module):
 
     def forward(self, out: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor | list[int]) -> torch.Tensor:
         """`out` plus the update for `rows` sorted by expert (`groups` as `expert_matmul` takes them)."""
-        low = expert_matmul(self.dropout(rows.to(self.A.dtype)), self.A, groups)
-        return out + (expert_matmul(low, self.B, groups) * self.scaling).to(out.dtype)
+        # Under expert parallel A and B are split by expert like the experts' weights: this rank's part.
+        a, b = local(self.A), local(self.B)
+        low = expert_matmul(self.dropout(rows.to(a.dtype)), a, groups)
+        return out + (expert_matmul(low, b, groups) * self.scaling).to(out.dtype)
 
 
 class ExpertAdapters(nn.ModuleDict):
@@ -201,8 +203,19 @@ def adapter_modules(module: nn.Module) -> list[nn.Module]:
     """The adapter modules below `module` (each `lora_A`, `lora_B`, routed experts' `ExpertLoRA`), which
     FSDP shards as one unit: as units of their own (fp32 beside a bf16 base), every small adapter
     would be gathered on its own."""
-    return [m for name, m in module.named_modules() if isinstance(m, ExpertLoRA)
-            or (isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in ("lora_A", "lora_B"))]
+    found: list[nn.Module] = []
+
+    def visit(name: str, m: nn.Module) -> None:
+        if m is not module and isinstance(m, FSDPModule):
+            return  # sharded already, on a mesh of its own (expert-parallel experts and their adapters)
+        if isinstance(m, ExpertLoRA) or (isinstance(m, nn.Linear) and name in ("lora_A", "lora_B")):
+            found.append(m)
+            return
+        for child_name, child in m.named_children():
+            visit(child_name, child)
+
+    visit("", module)
+    return found
 
 
 def shard_adapters(module: nn.Module, **fsdp_options) -> None:
