@@ -24,6 +24,7 @@ from nemotron_recipe.models.nemotron_v3 import PRESETS, NemotronHConfig, Nemotro
 from nemotron_recipe.models.nemotron_v3.parallelization import (
     _decoder_blocks,
     check_context_parallel,
+    check_expert_parallel,
     check_tensor_parallel,
 )
 
@@ -253,6 +254,18 @@ def test_plan_infers_dp_shard_and_sizes_the_data_layout():
     assert (plan.world_size, plan.dp_size, plan.seq_len_divisor) == (8, 4, 2)
     plan = ParallelPlan.from_config(_plan_cfg(cp=2, ep=4), 8)  # ep takes whole cp groups and dp_shard ranks
     assert plan.describe() == {"dp_replicate": 1, "dp_shard": 4, "cp": 2, "tp": 1, "ep": 4}
+
+
+def test_expert_parallel_on_a_model_it_cannot_split_is_refused_before_sharding():
+    import transformers
+
+    native = NemotronHForCausalLM(NemotronHConfig(pattern="ME", n_routed_experts=6))
+    with pytest.raises(ParallelConfigError, match="mesh.ep=4 does not divide the model's 6 routed experts"):
+        check_expert_parallel(native, 4)
+    check_expert_parallel(native, 2)
+    hf = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**NemotronHConfig(pattern="ME").to_hf_dict()))
+    with pytest.raises(ParallelConfigError, match="needs the native model's routed experts"):
+        check_expert_parallel(hf, 2)
 
 
 def test_experts_that_ep_cannot_split_evenly_are_refused():

@@ -373,23 +373,29 @@ def expert_meshes(moe_mesh: DeviceMesh | None, ep_name: str, shard_names: tuple[
     return ExpertMeshes(ep=moe_mesh[ep_name], dp=moe_mesh[dp_names])
 
 
+def _moe_experts(blocks: list[nn.Module]) -> list[nn.Module]:
+    return [block.mixer.experts for block in blocks if _block_kind(block) == "moe"]
+
+
+def check_expert_parallel(model: nn.Module, ep: int) -> None:
+    """Expert parallel needs the native model's routed experts, in a number `ep` divides."""
+    _, blocks = _decoder_blocks(model)
+    for module in _moe_experts(blocks + _mtp_layers(model)[1]):
+        if not hasattr(module, "ep_group"):
+            raise ParallelConfigError(
+                f"expert parallel (ep={ep}) needs the native model's routed experts, not {type(module).__name__}. "
+                "Fix: build the model with nemotron_recipe, or run without ep.")
+        if problem := check_experts_split(ep, module.num_experts, has_moe=True):
+            raise ParallelConfigError(problem)
+
+
 def apply_expert_parallel(blocks: list[nn.Module], ep_mesh: DeviceMesh) -> list[nn.Module]:
     """Splits each MoE block's routed experts by expert over `ep_mesh` (each rank holds n/ep whole
     experts, adapters included) and has them exchange rows over its group; returns the experts modules."""
-    experts = []
-    for block in blocks:
-        if _block_kind(block) != "moe":
-            continue
-        module = block.mixer.experts
-        if not hasattr(module, "ep_group"):
-            raise ParallelConfigError(
-                f"expert parallel (ep={ep_mesh.size()}) needs the native model's routed experts, not "
-                f"{type(module).__name__}. Fix: build the model with nemotron_recipe, or run without ep.")
-        if problem := check_experts_split(ep_mesh.size(), module.num_experts, has_moe=True):
-            raise ParallelConfigError(problem)
+    experts = _moe_experts(blocks)
+    for module in experts:
         shard_experts(module, ep_mesh, module.num_experts)
         module.ep_group = ep_mesh.get_group()
-        experts.append(module)
     return experts
 
 
@@ -531,6 +537,25 @@ def activation_checkpointing_spec(value, scope: tuple[str, ...]) -> ActivationCh
     return spec
 
 
+def _checked_layout(model, device_mesh, tp, cp, tp_shard_plan, sequence_parallel, options, names):
+    """Every check `_apply` makes, before anything is sharded and identically on every rank; returns
+    the tensor-parallel plan, the data-parallel mesh and the expert meshes (or None)."""
+    replicate_name, shard_name, tp_name = names
+    plan = check_tensor_parallel(model, tp, tp_shard_plan, sequence_parallel)
+    if problem := check_sequence_parallel(sequence_parallel, tp):
+        raise ParallelConfigError(problem)
+    if cp > 1:
+        check_context_parallel(model, tp, cp)
+    try:
+        dp_mesh = data_parallel_mesh(device_mesh, replicate_name, shard_name, model_parallel=(tp_name, "cp"))
+    except MeshError as err:
+        raise ParallelConfigError(str(err)) from None
+    ep = expert_meshes(options.moe_mesh, options.ep_axis_name, options.ep_shard_axis_names, replicate_name)
+    if ep:
+        check_expert_parallel(model, ep.ep.size())
+    return plan, dp_mesh, ep
+
+
 class NemotronHModelParallelizer(ModelParallelizer):
     """Apply Nemotron-H's specialized TP, CP, AC, and FSDP policy."""
 
@@ -564,20 +589,8 @@ class NemotronHModelParallelizer(ModelParallelizer):
         tp_mesh, cp_mesh = submesh(device_mesh, tp_mesh_name), submesh(device_mesh, "cp")
         tp = tp_mesh.size() if tp_mesh is not None else 1
         cp = cp_mesh.size() if cp_mesh is not None else 1
-
-        # Every check runs before anything is sharded, identically on every rank.
-        plan = check_tensor_parallel(model, tp, tp_shard_plan, sequence_parallel)
-        if problem := check_sequence_parallel(sequence_parallel, tp):
-            raise ParallelConfigError(problem)
-        if cp > 1:
-            check_context_parallel(model, tp, cp)
-        try:
-            dp_mesh = data_parallel_mesh(
-                device_mesh, dp_replicate_mesh_name, dp_shard_cp_mesh_name, model_parallel=(tp_mesh_name, "cp")
-            )
-        except MeshError as err:
-            raise ParallelConfigError(str(err)) from None
-        ep = expert_meshes(options.moe_mesh, options.ep_axis_name, options.ep_shard_axis_names, dp_replicate_mesh_name)
+        plan, dp_mesh, ep = _checked_layout(model, device_mesh, tp, cp, tp_shard_plan, sequence_parallel, options,
+                                            (dp_replicate_mesh_name, dp_shard_cp_mesh_name, tp_mesh_name))
         container, blocks = _decoder_blocks(model)
         mtp_container, mtp_blocks = _mtp_layers(model)
 
