@@ -15,7 +15,7 @@ WORKER = Path(__file__).parent / "distributed" / "expert_parallel_worker.py"
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("ranks", [2])  # ep 4 runs in test_parallel's four-rank parity cases
 def test_dispatch_and_combine_match_every_expert_on_every_rank(tmp_path, ranks):
     out = tmp_path / "ep.json"
     proc = subprocess.run(
