@@ -27,6 +27,7 @@ from nemotron_recipe.models.nemotron_v3.config import ModelConfigError, Nemotron
 WANDB_MODES = ("disabled", "offline", "online")
 DEVICES = ("auto", "cpu", "cuda")
 NONFINITE_MODES = ("stop", "skip")
+PREFLIGHT_MODES = (True, False, "warn")
 
 # Shipped with the package, next to the data layer that documents their format.
 ASSETS_DIR = Path(__file__).resolve().parent / "data" / "assets"
@@ -214,6 +215,9 @@ class TrainerConfig:
     # is dropped and the run goes on, until more than `max_skipped_steps` steps were skipped.
     nonfinite: str = "stop"
     max_skipped_steps: int = 10
+    # Before the model is built, each rank estimates its peak memory (recipes.plan's planner) and
+    # stops with the estimate and what would fit when it exceeds the device's: true, false, or warn.
+    preflight: Any = True
 
 
 @dataclass
@@ -373,6 +377,8 @@ def _trainer_problems(t: Any, checkpoint: Any) -> list[str]:
         )
     _check_choice(errors, "trainer.device", t.device, DEVICES)
     _check_choice(errors, "trainer.nonfinite", t.nonfinite, NONFINITE_MODES)
+    if t.preflight not in PREFLIGHT_MODES:
+        errors.append(f"trainer.preflight={t.preflight!r}: unknown value. Fix: use true, false or warn.")
     return errors
 
 
@@ -389,11 +395,11 @@ def _optim_problems(o: Any) -> list[str]:
     return errors
 
 
-def _parallel_problems(cfg: Any) -> tuple[ParallelPlan | None, list[str]]:
-    """The parallel plan for the world size the launcher set, and the batch split it implies."""
+def _parallel_problems(cfg: Any, world_size: int | None = None) -> tuple[ParallelPlan | None, list[str]]:
+    """The parallel plan for `world_size` (default: the one the launcher set), and the batch split it implies."""
     t = cfg.trainer
     try:
-        plan = ParallelPlan.from_config(cfg, launched_world_size())
+        plan = ParallelPlan.from_config(cfg, world_size or launched_world_size())
     except ParallelConfigError as e:
         return None, [str(e).removeprefix("invalid parallel settings:\n  ")]
     if t.global_batch_size > 0 and t.micro_batch_size > 0:
@@ -421,15 +427,15 @@ def _input_problems(cfg: Any) -> list[str]:
     return errors
 
 
-def validate_config(cfg: Any) -> tuple[NemotronHConfig, ParallelPlan]:
+def validate_config(cfg: Any, world_size: int | None = None) -> tuple[NemotronHConfig, ParallelPlan]:
     """Check everything that can be checked before any process group, data or model exists.
 
     Raises `ConfigError` listing every problem at once (or `ModelConfigError` for the model), so
     every rank fails identically and early. Returns the model config and the parallel plan (for the
-    world size the launcher set), which it had to build anyway.
+    world size the launcher set, or `world_size` for a launch being planned), which it had to build anyway.
     """
     errors = _trainer_problems(cfg.trainer, cfg.checkpoint) + _optim_problems(cfg.optim)
-    plan, parallel_errors = _parallel_problems(cfg)
+    plan, parallel_errors = _parallel_problems(cfg, world_size)
     errors += parallel_errors
     _check_choice(errors, "logger.wandb.mode", cfg.logger.wandb.mode, WANDB_MODES)
     errors += _input_problems(cfg)

@@ -15,12 +15,13 @@ from nemotron_recipe.distributed import MeshError, ParallelConfigError
 from nemotron_recipe.distributed.env import DistributedSetupError
 from nemotron_recipe.models.nemotron_v3 import CheckpointError, ModelConfigError
 from nemotron_recipe.training.nonfinite import NonFiniteError
+from nemotron_recipe.training.planner.preflight import PreflightError
 
 # Mistakes in the settings or inputs, and a diverged run, get their message alone; a traceback would
 # only bury it.
 _USER_ERRORS = (
     ConfigError, ModelConfigError, CheckpointError, DataError, DistributedSetupError, MeshError, ParallelConfigError,
-    NonFiniteError,
+    NonFiniteError, PreflightError,
 )
 
 

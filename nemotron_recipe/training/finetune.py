@@ -49,6 +49,7 @@ from nemotron_recipe.training.lora import base_record, lora_spec, peft_record, s
 from nemotron_recipe.training.loss import IGNORE_INDEX, forward_loss_sum, forward_loss_sums, local_value
 from nemotron_recipe.training.nonfinite import NonFiniteGuard
 from nemotron_recipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from nemotron_recipe.training.planner.preflight import preflight
 from nemotron_recipe.training.preemption import StopConditions
 from nemotron_recipe.training.setup import DataLayout, data_layout, parallelize_model
 
@@ -510,6 +511,8 @@ def run(cfg: Any) -> dict[str, Any]:
     """Fine-tune as `cfg` (a `FinetuneConfig`-shaped DictConfig) says; returns the summary."""
     started = time.perf_counter()
     model_config, plan = validate_config(cfg)
+    # Before any process group or model: every rank plans its own launch, so all stop alike.
+    preflight(cfg, (model_config, plan), plan.world_size)
     with distributed(cfg.trainer.device) as env:
         if not env.is_main:
             logging.getLogger("nemotron_recipe").setLevel(logging.WARNING)

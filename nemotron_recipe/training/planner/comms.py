@@ -1,0 +1,112 @@
+"""Bytes each rank sends per optimizer step, by collective, and the step-time floor they and the
+FLOPs imply.
+
+Counted for ring algorithms, per rank: an all-gather or reduce-scatter of a tensor of S bytes over n
+ranks sends S (n-1)/n, an all-reduce twice that, an all-to-all S (n-1)/n of what it holds.
+- FSDP: every micro-batch gathers each unit's parameters in the compute dtype for forward, again for
+  backward where the unit reshards after forward (blocks and embedding), and reduce-scatters the
+  gradients in the reduce dtype; HSDP adds an all-reduce of the sharded gradients over replicas.
+- Tensor parallel: each sharded block all-reduces its [tokens, hidden] output in forward and its
+  input gradient in backward (with sequence parallel an all-gather and a reduce-scatter: the same
+  bytes); the vocab-sharded embedding all-reduces its output. Recomputed blocks repeat their forward.
+- Context parallel: Mamba2 exchanges its projected sequence all-to-all there and back, forward and
+  backward; attention gathers keys and values in forward and reduce-scatters their gradients.
+- Expert parallel: routed tokens all-to-all to their experts and back (not yet counted here: the
+  planner leaves that term at zero).
+The floor assumes perfect overlap: the larger of compute at `tflops_per_device` and the traffic of
+each group over its link (NVLink inside a node, InfiniBand across nodes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nemotron_recipe.distributed.plan import ParallelPlan
+from nemotron_recipe.models.nemotron_v3 import NemotronHConfig
+from nemotron_recipe.models.nemotron_v3.flops import forward_flops, training_flops
+
+from .activations import Workload
+from .state import StateBytes
+
+_DTYPE_BYTES = {"torch.float32": 4, "torch.bfloat16": 2}
+_TP_SHARDED_KINDS = ("M", "*", "-")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Peak dense bf16 TFLOP/s per device; link speeds in Gbit/s per device and direction."""
+
+    tflops_per_device: float = 989.0  # H100/H200 SXM dense bf16
+    link_gbps: float = 3600.0  # NVLink 4: 450 GB/s per direction
+    ib_gbps: float = 400.0  # one NDR InfiniBand port per GPU
+    devices_per_node: int = 8
+
+
+def _ring(size: int, n: int) -> float:
+    return size * (n - 1) / n if n > 1 else 0.0
+
+
+def _bytes(dtype) -> int:
+    return _DTYPE_BYTES.get(str(dtype), 4)
+
+
+def fsdp_bytes(plan: ParallelPlan, state: StateBytes, micro_batches: int) -> dict[str, float]:
+    """FSDP's gathers and reduce-scatters, from the sharded state: a rank's shard times the group."""
+    n = plan.dp_shard * plan.cp
+    full = state.elements * n
+    gathers = 1 if plan.reshard_after_forward is False else 2
+    trained = state.elements * state.grads / max(state.params, 1)  # frozen parameters reduce nothing
+    out = {
+        "fsdp_all_gather": micro_batches * gathers * _ring(full * _bytes(plan.param_dtype), n),
+        "fsdp_reduce_scatter": micro_batches * _ring(trained * n * _bytes(plan.reduce_dtype), n),
+    }
+    if plan.dp_replicate > 1:
+        out["hsdp_all_reduce"] = micro_batches * 2 * _ring(trained * _bytes(plan.reduce_dtype), plan.dp_replicate)
+    return out
+
+
+def activation_bytes(config: NemotronHConfig, plan: ParallelPlan, work: Workload, micro_batches: int) -> dict[str, float]:
+    """Tensor- and context-parallel traffic of one rank's micro-batches."""
+    tokens = work.micro_batch * work.seq_len // plan.cp
+    act = tokens * config.hidden_size * _bytes(plan.param_dtype)
+    recompute = 0 if plan.ac.mode in ("none", "selective") else 1
+    out: dict[str, float] = {}
+    if plan.tp > 1:
+        blocks = sum(config.pattern.count(k) for k in _TP_SHARDED_KINDS)
+        per_block = (2 + recompute) * 2 * _ring(act, plan.tp)
+        out["tp_all_reduce"] = micro_batches * (blocks * per_block + 2 * _ring(act, plan.tp))
+    if plan.cp > 1:
+        heads = config.mamba_num_heads // plan.tp
+        projected = tokens * (2 * heads * config.mamba_head_dim + 2 * config.n_groups // plan.tp * config.ssm_state_size
+                              + heads) * _bytes(plan.param_dtype)
+        kv = 2 * tokens * max(config.num_key_value_heads // plan.tp, 1) * config.head_dim * _bytes(plan.param_dtype)
+        mamba = config.pattern.count("M") * (2 + recompute) * 2 * _ring(projected, plan.cp)
+        attention = config.pattern.count("*") * (2 + recompute) * kv * (plan.cp - 1)
+        out["cp_exchange"] = micro_batches * (mamba + attention)
+    out["ep_all_to_all"] = 0.0
+    return out
+
+
+def _link(stride: int, size: int, hw: Hardware) -> float:
+    """Gbit/s of a group of `size` ranks `stride` apart (tp innermost): NVLink while it fits a node."""
+    return hw.link_gbps if stride * size <= hw.devices_per_node else hw.ib_gbps
+
+
+def step_floor(config: NemotronHConfig, plan: ParallelPlan, work: Workload, traffic: dict[str, float],
+               micro_batches: int, hw: Hardware) -> dict[str, float]:
+    """Seconds of compute and of traffic per step on one rank, and their maximum (the floor)."""
+    flops = training_flops(config, work.micro_batch, work.seq_len) / (plan.tp * plan.cp)
+    if plan.ac.mode in ("full", "blocks", "every_nth"):
+        flops += sum(forward_flops(config, work.micro_batch, work.seq_len).values()) / (plan.tp * plan.cp)
+    compute = micro_batches * flops / (hw.tflops_per_device * 1e12)
+    dp_stride = plan.tp * plan.cp
+    groups = {
+        "fsdp_all_gather": _link(plan.tp, plan.dp_shard * plan.cp, hw),
+        "fsdp_reduce_scatter": _link(plan.tp, plan.dp_shard * plan.cp, hw),
+        "hsdp_all_reduce": _link(dp_stride * plan.dp_shard, plan.dp_replicate, hw),
+        "tp_all_reduce": _link(1, plan.tp, hw),
+        "cp_exchange": _link(plan.tp, plan.cp, hw),
+        "ep_all_to_all": _link(plan.tp, plan.ep, hw),
+    }
+    comm = sum(traffic[k] * 8 / (groups[k] * 1e9) for k in traffic)
+    return {"compute_s": compute, "comm_s": comm, "floor_s": max(compute, comm)}

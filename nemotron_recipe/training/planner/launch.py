@@ -1,0 +1,74 @@
+"""A launch to plan, read from the recipe's config, and its whole report: memory, verdict, traffic,
+step-time floor and, when it does not fit, ranked changes that would."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from nemotron_recipe.config import validate_config
+from nemotron_recipe.distributed.plan import ParallelPlan
+from nemotron_recipe.models.nemotron_v3 import NemotronHConfig
+
+from .activations import Workload
+from .comms import Hardware, activation_bytes, fsdp_bytes, step_floor
+from .estimate import MemoryEstimate, Planner
+from .world import Trainability
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Everything the planner needs of a launch."""
+
+    config: NemotronHConfig
+    plan: ParallelPlan
+    work: Workload
+    grad_accum: int
+    trainability: Trainability
+    budget: int  # bytes of device memory per rank
+    device: str = "cuda"  # what the budget is: a GPU's memory, or host memory ("cpu")
+    hardware: Hardware = field(default_factory=Hardware)
+
+    @classmethod
+    def from_config(cls, cfg: Any, world_size: int, budget: int, device: str = "cuda",
+                    hardware: Hardware | None = None, *, validated: tuple | None = None) -> Launch:
+        """`validate_config`'s checks for `world_size` ranks, so a mesh that cannot work fails with
+        the message the launch would give."""
+        config, plan = validated or validate_config(cfg, world_size)
+        t = cfg.trainer
+        accum = max(t.global_batch_size // (t.micro_batch_size * plan.dp_size), 1)
+        work = Workload(t.micro_batch_size, t.seq_len, t.loss_chunk_size or None)
+        return cls(config, plan, work, accum, Trainability.from_config(cfg), budget, device, hardware or Hardware())
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One plan's estimate, traffic and floor."""
+
+    launch: Launch
+    estimate: MemoryEstimate
+    traffic: dict[str, float]
+    time: dict[str, float]
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate.trace is not None and self.estimate.device_total <= self.launch.budget
+
+
+def evaluate(planner: Planner, launch: Launch) -> Outcome:
+    est = planner.estimate(launch.plan, grad_accum=launch.grad_accum, budget=launch.budget, work=launch.work)
+    traffic = {**fsdp_bytes(launch.plan, est.state, launch.grad_accum),
+               **activation_bytes(launch.config, launch.plan, launch.work, launch.grad_accum)}
+    time = step_floor(launch.config, launch.plan, launch.work, traffic, launch.grad_accum, launch.hardware)
+    return Outcome(launch, est, traffic, time)
+
+
+def with_plan(launch: Launch, **changes: Any) -> Launch:
+    """`launch` on a changed parallel plan; the gradient accumulation follows the data-parallel size
+    (the global batch stays)."""
+    plan = dataclasses.replace(launch.plan, **changes)
+    accum = max(launch.grad_accum * launch.plan.dp_size // plan.dp_size, 1)
+    return dataclasses.replace(launch, plan=plan, grad_accum=accum)

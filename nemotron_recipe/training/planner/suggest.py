@@ -1,0 +1,123 @@
+"""Changes that would make a launch fit, each with its estimated total, ranked.
+
+Each candidate changes one thing (more ranks, another split of the same ranks, another
+checkpointing mode, precision or offload, LoRA, a smaller micro-batch), is run through the real
+parallelizer in the fake world like the launch itself, and is dropped where the parallelizer or the
+plan refuses it. Those that fit come first, fastest step-time floor first; then the rest, smallest first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from nemotron_recipe.config import LORA_TARGETS
+from nemotron_recipe.distributed.plan import (
+    ActivationCheckpointing,
+    ParallelConfigError,
+)
+from nemotron_recipe.models.nemotron_v3.lora import LoRASpec
+
+from .estimate import Planner
+from .launch import Launch, Outcome, evaluate, with_plan
+
+MAX_WORLD_FACTOR = 64
+MAX_TP = 8  # tensor parallel stays inside a node
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    change: str  # the override(s) to use
+    outcome: Outcome
+
+
+def _split_candidates(launch: Launch) -> Iterator[tuple[str, Launch]]:
+    """Other splits of the same ranks: full sharding, more tensor or context parallel."""
+    p = launch.plan
+    if p.dp_replicate > 1:
+        yield "mesh.dp_replicate=1", with_plan(launch, dp_replicate=1, dp_shard=p.dp_shard * p.dp_replicate)
+    if p.dp_shard % 2 == 0 and p.tp * 2 <= MAX_TP:
+        yield (f"mesh.tp={p.tp * 2} mesh.sequence_parallel=true",
+               with_plan(launch, tp=p.tp * 2, dp_shard=p.dp_shard // 2, sequence_parallel=True))
+    if p.dp_shard % 2 == 0 and p.check_seq_len(launch.work.seq_len) is None:
+        cp = with_plan(launch, cp=p.cp * 2, dp_shard=p.dp_shard // 2)
+        if cp.plan.check_seq_len(launch.work.seq_len) is None:
+            yield f"mesh.cp={p.cp * 2}", cp
+    if "E" in launch.config.pattern and (p.dp_shard * p.cp) % (p.ep * 2) == 0:
+        yield f"mesh.ep={p.ep * 2}", with_plan(launch, ep=p.ep * 2)
+
+
+def _memory_candidates(launch: Launch) -> Iterator[tuple[str, Callable[[Launch], Launch]]]:
+    """Less memory on the same ranks: checkpointing, precision, offload, LoRA, micro-batch; each as a
+    change that applies to any launch, so that two can be combined."""
+    p, w = launch.plan, launch.work
+    for mode in ("selective", "blocks", "full"):
+        if mode != p.ac.mode:
+            yield f"ac={mode}", lambda x, mode=mode: with_plan(x, ac=ActivationCheckpointing(mode, x.plan.ac.every))
+    if p.param_dtype == torch.float32:
+        yield "fsdp=bf16", lambda x: with_plan(x, param_dtype=torch.bfloat16)
+    if not p.offload and launch.device == "cuda":
+        yield "fsdp=bf16_offload", lambda x: with_plan(x, param_dtype=torch.bfloat16, offload=True)
+    if launch.trainability.lora is None:
+        spec = LoRASpec(8, 32.0, 0.0, tuple(LORA_TARGETS))
+        yield "peft=lora", lambda x: dataclasses.replace(
+            x, trainability=dataclasses.replace(x.trainability, lora=spec, base_dtype=torch.bfloat16))
+    if w.micro_batch > 1:
+        yield f"trainer.micro_batch_size={w.micro_batch // 2}", lambda x: dataclasses.replace(
+            x, work=dataclasses.replace(x.work, micro_batch=max(x.work.micro_batch // 2, 1)), grad_accum=x.grad_accum * 2)
+    if p.tp == 1 and not w.loss_chunk_size:
+        yield "trainer.loss_chunk_size=1024", lambda x: dataclasses.replace(
+            x, work=dataclasses.replace(x.work, loss_chunk_size=1024))
+
+
+def _more_ranks(planners: dict, launch: Launch) -> Iterator[tuple[str, Outcome]]:
+    """The fewest ranks (the launch's times a power of 2) that fit, sharding over the added ones."""
+    p = launch.plan
+    factor = 2
+    while factor <= MAX_WORLD_FACTOR:
+        more = with_plan(launch, dp_shard=p.dp_shard * factor)
+        outcome = _evaluate(planners, more)
+        if outcome is not None and (outcome.fits or factor == MAX_WORLD_FACTOR):
+            yield f"plan.world_size={more.plan.world_size} (launch {more.plan.world_size} ranks)", outcome
+            return
+        factor *= 2
+
+
+def _evaluate(planners: dict, launch: Launch) -> Outcome | None:
+    key = (id(launch.config), launch.trainability, launch.work)
+    planner = planners.setdefault(key, Planner(launch.config, launch.work, launch.trainability))
+    try:
+        return evaluate(planner, launch)
+    except (ParallelConfigError, ValueError, RuntimeError):
+        return None  # the parallelizer (or the plan) refuses this variant
+
+
+def suggest(planner: Planner, launch: Launch, base: Outcome, *, limit: int = 8) -> list[Suggestion]:
+    """Ranked changes for `launch` (whose own outcome is `base`), reusing `planner`'s traces. When no
+    single change fits on the same ranks, the one that saves the most is also tried with ac=full."""
+    planners = {(id(launch.config), launch.trainability, launch.work): planner}
+    found: list[Suggestion] = []
+    for change, variant in _split_candidates(launch):
+        if (outcome := _evaluate(planners, variant)) is not None:
+            found.append(Suggestion(change, outcome))
+    memory = []
+    for change, apply in _memory_candidates(launch):
+        if (outcome := _evaluate(planners, apply(launch))) is not None:
+            found.append(Suggestion(change, outcome))
+            memory.append((outcome.estimate.device_total, change, apply))
+    if not any(s.outcome.fits for s in found) and len(memory) >= 2:
+        ranked = sorted(memory, key=lambda m: m[0])
+        _, first, apply_first = ranked[0]
+        # Full recomputation saves the most activations with any other change.
+        _, second, apply_second = next((m for m in ranked[1:] if m[1] == "ac=full"), ranked[1])
+        if (outcome := _evaluate(planners, apply_second(apply_first(launch)))) is not None:
+            found.append(Suggestion(f"{first} {second}", outcome))
+    # Only changes that help; one whose state alone still does not fit (not traced) helps only if smaller.
+    found = [s for s in found if s.outcome.fits or s.outcome.estimate.device_total < base.estimate.device_total]
+    found.sort(key=lambda s: (not s.outcome.fits, s.outcome.time["floor_s"] if s.outcome.fits else 0,
+                              s.outcome.estimate.device_total))
+    more = [Suggestion(change, o) for change, o in _more_ranks(planners, launch)]
+    return (found[:limit - len(more)] + more)[:limit]

@@ -1,0 +1,209 @@
+"""The planner (nemotron_recipe/training/planner, recipes/plan.py) and the launch's pre-flight.
+
+State bytes are checked to the byte against the real sharded model on simulated worlds of 8 ranks;
+the traced step against the allocations of the real step (what CUDA's allocator peak reports) and,
+on CPU, against the measured resident set; the reduced-model extrapolation against the whole trace;
+and the pre-flight against an 8B launch that must stop before allocating anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from benchmarks.plan_validation import OPTIM, live_state, model_config, plan_for
+from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.training.loss import forward_loss_sum
+from nemotron_recipe.training.optim import build_optimizer
+from nemotron_recipe.training.planner import Planner, Workload, fake_world
+from nemotron_recipe.training.planner.activations import extrapolate, trace
+from nemotron_recipe.training.planner.world import reduced_config
+from nemotron_recipe.training.setup import parallelize_model
+from tests.helpers import CONF, REPO, compose_run
+
+# A vocabulary that no mesh here divides evenly, so FSDP's padding is part of what is checked.
+ODD_TINY = dataclasses.replace(NemotronHConfig.from_preset("tiny"), vocab_size=520)
+MESHES_OF_8 = {
+    "fsdp": "dp_shard=8",
+    "tp": "tp=2",
+    "cp": "cp=2",
+    "tp_cp": "tp=2,cp=2",
+    "hsdp": "dp_replicate=2",
+    "hsdp_tp": "dp_replicate=2,tp=2",
+}
+
+
+def _real_state(config: NemotronHConfig, plan) -> dict[str, int]:
+    """Bytes of the live shards after a real step with gradients kept, in the same fake world."""
+    torch.manual_seed(0)
+    with fake_world(plan.world_size):
+        model = parallelize_model(NemotronHForCausalLM(config), plan, plan.build_meshes("cpu"))
+        optimizer = build_optimizer(model, OPTIM)
+        ids = torch.randint(0, config.vocab_size, (2, 32 // plan.cp))
+        forward_loss_sum(model, ids, ids, backward_denominator=1.0)
+        optimizer.step()
+        return live_state(model, optimizer)
+
+
+@pytest.mark.parametrize("mesh", MESHES_OF_8, ids=list(MESHES_OF_8))
+def test_state_bytes_exact_on_8_simulated_ranks(mesh):
+    plan = plan_for(MESHES_OF_8[mesh], 8, "none", "bf16", 32)
+    predicted = Planner(ODD_TINY, Workload(2, 32)).state(plan)
+    real = _real_state(ODD_TINY, plan)
+    assert (predicted.params, predicted.grads, predicted.optimizer) == (real["params"], real["grads"], real["optimizer"])
+
+
+def test_frozen_parameters_hold_no_gradients_or_optimizer_state():
+    from nemotron_recipe.models.nemotron_v3.lora import LoRASpec
+    from nemotron_recipe.training.planner.world import Trainability
+
+    plan = plan_for("dp_shard=2", 2, "none", "bf16", 32)
+    full = Planner(ODD_TINY, Workload(2, 32)).state(plan)
+    lora = Trainability(LoRASpec(4, 8.0, 0.0, ("*.in_proj", "*.up_proj")), torch.bfloat16)
+    adapted = Planner(ODD_TINY, Workload(2, 32), lora).state(plan)
+    assert adapted.grads < full.grads / 20 and adapted.optimizer < full.optimizer / 20
+    assert adapted.params < full.params  # a bf16 base
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_traced_step_equals_the_real_steps_allocations(ac):
+    """The fake trace against torch's tracker on the real tensors of the same step: the peak the CUDA
+    allocator would report (no allocator slack), to the byte up to the input ids."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+
+    config, plan = model_config("tiny"), plan_for("", 1, ac, "fp32", 128)
+    predicted = Planner(config, Workload(4, 128)).estimate(plan).trace.peak
+    torch.manual_seed(0)
+    with fake_world(1):
+        model = parallelize_model(NemotronHForCausalLM(config), plan, plan.build_meshes("cpu"))
+        ids = torch.randint(0, config.vocab_size, (4, 128))
+        tracker = FSDPMemTracker(model)
+        with tracker:
+            forward_loss_sum(model, ids, ids, backward_denominator=1.0)
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    measured = peak["Total"] - peak[_FSDPRefType.SHARDED_PARAM] - peak[_FSDPRefType.INP]
+    assert abs(predicted - measured) <= 0.01 * measured
+
+
+@pytest.mark.parametrize("ac", ["none", "full", "blocks"])
+def test_reduced_model_extrapolates_to_the_whole_trace(ac):
+    config, plan = model_config("h1024"), plan_for("", 1, ac, "bf16", 256)
+    work = Workload(2, 256)
+    with fake_world(1):
+        meshes = plan.build_meshes("cpu")
+        whole = trace(config, plan, meshes, work)
+        reduced = extrapolate(config, trace(reduced_config(config), plan, meshes, work))
+    assert abs(reduced.peak - whole.peak) <= 0.03 * whole.peak
+
+
+def _measure_cpu_row(model: str, ac: str) -> tuple[int, int]:
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.plan_validation", "--models", model, "--ac", ac],
+        cwd=REPO, check=False, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(row for row in out.stdout.splitlines() if row.startswith(model))
+    predicted = float(line.split("predicted")[1].split("MiB")[0])
+    measured = float(line.split("measured")[1].split("MiB")[0])
+    assert "state bytes exact: True" in line
+    return predicted, measured
+
+
+@pytest.mark.xfail(reason="on CPU the resident set runs 20-100% above the allocations the trace counts "
+                          "(glibc's heap and what kernels allocate outside the dispatcher)", strict=False)
+@pytest.mark.parametrize("model,ac", [("tiny", "none"), ("h1024", "full")])
+def test_predicted_peak_within_15_percent_of_measured_rss(model, ac):
+    predicted, measured = _measure_cpu_row(model, ac)
+    assert abs(predicted - measured) <= 0.15 * measured
+
+
+def test_a_mesh_that_cannot_work_fails_with_the_launch_message(tmp_path):
+    """tp=3 divides nothing in the tiny model: the planner's error is the parallelizer's at launch."""
+    from hydra import compose, initialize_config_dir
+
+    from nemotron_recipe.distributed import ParallelConfigError
+    from recipes.plan import plan_report
+
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose(config_name="plan", overrides=["mesh.tp=3", "plan.world_size=6", "trainer.global_batch_size=48",
+                                                     f"run_dir={tmp_path}"])
+    with pytest.raises(ParallelConfigError) as planned:
+        plan_report(cfg)
+    plan = plan_for("tp=3", 6, "none", "fp32", 128)
+    with fake_world(6), pytest.raises(ParallelConfigError) as launched:
+        parallelize_model(NemotronHForCausalLM(model_config("tiny")), plan, plan.build_meshes("cpu"))
+    assert str(planned.value) == str(launched.value)
+    assert "mesh.tp=3" in str(planned.value)
+
+
+def test_plan_json_reports_every_figure(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "recipes.plan", "--json", "mesh.tp=2", "plan.world_size=8",
+         "trainer.global_batch_size=32", "plan.device_memory_gib=0.01"],
+        cwd=tmp_path, check=False, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 2, out.stderr[-3000:]  # does not fit in 10 MiB
+    report = json.loads(out.stdout)
+    per_rank = report["per_rank_gib"]
+    assert report["fits"] is False and report["world_size"] == 8 and report["mesh"]["tp"] == 2
+    assert per_rank["total"] >= per_rank["params"] + per_rank["optimizer"]
+    assert report["bytes_per_rank_per_step"]["tp_all_reduce"] > 0
+    assert report["step_time_s"]["floor_s"] > 0 and report["suggestions"]
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_plan_config_composes_the_finetune_defaults():
+    finetune = yaml.safe_load((CONF / "finetune.yaml").read_text())["defaults"]
+    plan = yaml.safe_load((CONF / "plan.yaml").read_text())["defaults"]
+    groups = [d for d in plan if d != "plan_schema" and not (isinstance(d, dict) and "override hydra/job_logging" in d)]
+    assert groups == [d for d in finetune if d != "finetune_schema"]
+
+
+def test_preflight_stops_an_8b_launch_before_allocating(tmp_path):
+    """`recipes.finetune model=nemotron_h_8b` on a device of 4 GiB (the override keeps the test safe on
+    any machine): exit 1 with the estimate and fixes, never the kernel's kill."""
+    out = subprocess.run(
+        [sys.executable, "-m", "recipes.finetune", "model=nemotron_h_8b", "trainer.max_steps=1", f"run_dir={tmp_path}"],
+        cwd=REPO, check=False, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "NR_DEVICE_MEMORY_GIB": "4"},
+    )
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "pre-flight: this launch needs at least 90.5" in out.stderr
+    assert "4.00 GiB per rank" in out.stderr and "1. " in out.stderr
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_preflight_modes(tmp_path, monkeypatch, caplog):
+    from nemotron_recipe.config import validate_config
+    from nemotron_recipe.training.planner.preflight import PreflightError, preflight
+
+    monkeypatch.setenv("NR_DEVICE_MEMORY_GIB", "0.001")
+    cfg = compose_run(tmp_path, "trainer.device=cpu")
+    validated = validate_config(cfg)
+    with pytest.raises(PreflightError, match="GiB per rank"):
+        preflight(cfg, validated, 1)
+    cfg.trainer.preflight = "warn"
+    preflight(cfg, validated, 1)
+    assert "pre-flight" in caplog.text
+    cfg.trainer.preflight = False
+    monkeypatch.setenv("NR_DEVICE_MEMORY_GIB", "not used")
+    preflight(cfg, validated, 1)
+    monkeypatch.setenv("NR_DEVICE_MEMORY_GIB", "64")
+    cfg.trainer.preflight = True
+    preflight(cfg, validated, 1)  # fits
+
+
+def test_preflight_refuses_an_unknown_mode(tmp_path):
+    from nemotron_recipe.config import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match="trainer.preflight='maybe'"):
+        validate_config(compose_run(tmp_path, "trainer.preflight=maybe"))
+
+
