@@ -1,9 +1,8 @@
 """One rank's memory for a model, a parallel plan and a micro-batch: sharded state plus a traced step.
 
-`Planner` holds what one planning run has already traced, so that alternatives that differ only in
-their world size (sharded state) reuse the activation trace of the same tensor/context-parallel,
-checkpointing and batch shape: a step's activations do not depend on the data-parallel size, only
-its gradients do, and those are rescaled with the state.
+`Planner` holds what one planning run has already traced, so that alternatives sharing a parallel
+plan and batch shape (e.g. with and without offload) reuse one trace. Another data-parallel size is
+traced again: its gradients' share moves the moment of the peak, not only its height.
 """
 
 from __future__ import annotations
@@ -64,18 +63,12 @@ class MemoryEstimate:
         return self.state.total if self.offload else 0
 
 
-def rescale(t: ActivationTrace, grads_before: int, grads_after: int) -> ActivationTrace:
-    """`t` with its gradients from a plan whose shards hold `grads_after` bytes instead."""
-    at_peak = t.grads_at_peak * grads_after // max(grads_before, 1)
-    return dataclasses.replace(t, peak=t.activations + at_peak, grads_at_peak=at_peak)
-
-
 class Planner:
     """Estimates for one model and workload under any number of plans, reusing traces."""
 
     def __init__(self, config: NemotronHConfig, work: Workload, trainability: Trainability | None = None) -> None:
         self.config, self.work, self.trainability = config, work, trainability or Trainability()
-        self._traces: dict[tuple, tuple[ActivationTrace, int]] = {}
+        self._traces: dict[tuple, ActivationTrace] = {}
 
     def state(self, plan: ParallelPlan) -> StateBytes:
         with fake_world(plan.world_size):
@@ -93,15 +86,13 @@ class Planner:
         resident = 0 if plan.offload else state.params + state.optimizer
         if budget is not None and resident > budget:
             return MemoryEstimate(state, None, grad_accum, plan.offload)
-        return MemoryEstimate(state, self._trace(plan, work, state.grads), grad_accum, plan.offload)
+        return MemoryEstimate(state, self._trace(plan, work), grad_accum, plan.offload)
 
-    def _trace(self, plan: ParallelPlan, work: Workload, grads: int) -> ActivationTrace:
+    def _trace(self, plan: ParallelPlan, work: Workload) -> ActivationTrace:
         sim = _simulated(plan)
-        key = (sim.tp, sim.cp, sim.ep, sim.sequence_parallel, sim.ac, sim.param_dtype, sim.reduce_dtype,
-               sim.reshard_after_forward, work)
+        key = (sim, work)
         if key in self._traces:
-            cached, cached_grads = self._traces[key]
-            return rescale(cached, cached_grads, grads)
+            return self._traces[key]
         with fake_world(plan.world_size):
             meshes = sim.build_meshes(SIMULATED_DEVICE)
             whole = len(self.config.pattern) <= TRACE_WHOLE_MAX_BLOCKS or plan.ac.mode == "every_nth"
@@ -110,7 +101,7 @@ class Planner:
             else:
                 reduced = trace(reduced_config(self.config), sim, meshes, work, self.trainability)
                 result = extrapolate(self.config, reduced)
-        self._traces[key] = (result, grads)
+        self._traces[key] = result
         return result
 
 
