@@ -56,12 +56,12 @@ def poison_step(monkeypatch: pytest.MonkeyPatch, steps: set[int]) -> None:
     """Makes the loss and the gradients of the given steps (1-based) NaN."""
     original = Trainer._forward_backward
 
-    def forward_backward(self: Trainer, batch: dict, denominator: int) -> torch.Tensor:
-        loss = original(self, batch, denominator)
+    def forward_backward(self: Trainer, batch: dict, denominator: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        loss, mtp_loss = original(self, batch, denominator)
         if self.step + 1 not in steps:  # self.step counts the steps done before this one
-            return loss
+            return loss, mtp_loss
         next(p for p in self.params if p.grad is not None).grad.fill_(float("nan"))
-        return torch.full_like(loss, float("nan"))
+        return torch.full_like(loss, float("nan")), mtp_loss
 
     monkeypatch.setattr(Trainer, "_forward_backward", forward_backward)
 
