@@ -86,6 +86,11 @@ class ParallelPlan:
     offload: bool = False
     reshard_after_forward: bool | None = None
 
+    def __post_init__(self) -> None:
+        # Plans are also made by replacing fields of another (the planner's variants): checked here too.
+        if problem := check_expert_parallel(self.ep, self.dp_shard, self.cp):
+            raise ParallelConfigError(problem)
+
     @classmethod
     def from_config(cls, cfg: Any, world_size: int) -> ParallelPlan:
         """The plan `cfg` (with `mesh`, `ac`, `fsdp` and `trainer.seq_len`) asks for on `world_size`

@@ -39,7 +39,7 @@ def _split_candidates(launch: Launch) -> Iterator[tuple[str, Launch]]:
     p = launch.plan
     if p.dp_replicate > 1:
         yield "mesh.dp_replicate=1", with_plan(launch, dp_replicate=1, dp_shard=p.dp_shard * p.dp_replicate)
-    if p.dp_shard % 2 == 0 and p.tp * 2 <= MAX_TP:
+    if p.dp_shard % 2 == 0 and p.tp * 2 <= MAX_TP and (p.dp_shard // 2 * p.cp) % p.ep == 0:
         yield (f"mesh.tp={p.tp * 2} mesh.sequence_parallel=true",
                with_plan(launch, tp=p.tp * 2, dp_shard=p.dp_shard // 2, sequence_parallel=True))
     if p.dp_shard % 2 == 0 and p.check_seq_len(launch.work.seq_len) is None:
