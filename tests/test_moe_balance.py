@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import wandb
 
 from nemotron_recipe.config import ConfigError, validate_config
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.training import logging as logging_module
 from nemotron_recipe.training.finetune import run
 from nemotron_recipe.training.hf_io import load_checkpoint_model
 from nemotron_recipe.training.moe_balance import RouterBalance
@@ -180,3 +182,26 @@ def test_lora_under_expert_parallel_matches_one_process(tmp_path):
     got, want = _rows(tmp_path / "ep2"), _rows(tmp_path / "one")
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5), key
+
+
+def test_expert_loads_reach_wandb_as_one_histogram_per_moe_block(tmp_path, monkeypatch):
+    logged: list[tuple[dict, int]] = []
+    run_dir = tmp_path / "run"
+
+    class FakeRun:
+        summary: dict = {}
+
+        def log(self, data: dict, step: int) -> None:
+            logged.append((data, step))
+
+        def finish(self, exit_code: int) -> None:
+            pass
+
+    monkeypatch.setattr(logging_module, "_init_wandb", lambda *args: FakeRun())
+    monkeypatch.setattr(wandb, "Histogram", lambda np_histogram: np_histogram)
+    run(compose_run(run_dir, *SHORT, "trainer.max_steps=2", "logger.wandb.mode=offline", "checkpoint.save_final=false"))
+    loads = [(data, step) for data, step in logged if any(k.startswith("moe/expert_load/") for k in data)]
+    assert [step for _, step in loads] == [1, 2]
+    (name, (counts, bins)), = loads[0][0].items()  # the tiny preset has one MoE block
+    assert name == "moe/expert_load/block_0" and bins == list(range(9)) and len(counts) == 8
+    assert sum(counts) > 0

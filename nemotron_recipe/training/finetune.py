@@ -161,6 +161,7 @@ class StepResult:
     skipped: bool = False  # not taken: its loss or gradient norm was not finite (trainer.nonfinite=skip)
     mtp_loss_sum: torch.Tensor | None = None  # this rank's MTP loss sum, when MTP layers are trained
     moe_load_imbalance: float | None = None  # busiest expert / mean over the global batch, worst MoE block
+    expert_load: list[list[int]] | None = None  # rows per expert over the global batch, per MoE block
 
 
 class Trainer:
@@ -402,7 +403,7 @@ class Trainer:
         moe = self.balance.after_step(taken=finite) if self.balance else {}
         return StepResult(loss_sum=loss_sum, trained_tokens=trained_tokens, lr=lr, grad_norm=grad_norm,
                           skipped=not finite, mtp_loss_sum=mtp_loss_sum,
-                          moe_load_imbalance=moe.get("moe_load_imbalance"))
+                          moe_load_imbalance=moe.get("moe_load_imbalance"), expert_load=moe.get("expert_load"))
 
     def _last_good_checkpoint(self) -> Path | None:
         """The newest checkpoint this run saved or resumed from: every one of them is finite."""
@@ -457,6 +458,8 @@ class Trainer:
             self.metrics.log(self.step, loss=losses.flatten()[0].item(), lr=result.lr,
                              grad_norm=result.grad_norm.item(), skipped=result.skipped, mtp_loss=mtp_loss,
                              moe_load_imbalance=result.moe_load_imbalance)
+            if result.expert_load is not None:
+                self.writer.log_expert_loads(self.step, result.expert_load)
         self.writer.advance()
 
     def evaluate(self) -> None:

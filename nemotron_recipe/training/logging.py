@@ -75,6 +75,16 @@ class MetricsWriter:
         else:
             log.info("  ".join(f"{k} {_fmt(v)}" for k, v in row.items()))
 
+    def log_expert_loads(self, step: int, loads: list[list[int]]) -> None:
+        """Per MoE block, the rows each expert was routed in `step`, as a wandb histogram whose bins are
+        the experts (wandb only: the rows hold the imbalance)."""
+        if not self.enabled or self._wandb_run is None:
+            return
+        import wandb
+
+        self._wandb_run.log({f"moe/expert_load/block_{i}": wandb.Histogram(
+            np_histogram=(block, list(range(len(block) + 1)))) for i, block in enumerate(loads)}, step=step)
+
     def log_val(self, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
