@@ -18,6 +18,7 @@ are taken as balanced (every expert gets its share of the token-expert pairs).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -176,7 +177,9 @@ def _run_step(model: nn.Module, ids_shape: tuple[int, int], work: Workload, devi
         handles.append(block.register_forward_hook(
             lambda m, a, o, before=before, mine=mine: mine.append(
                 _working(tracker.get_tracker_snapshot()[device]) - before.pop())))
-    with tracker, _BalancedRouting():
+    with tracker, _BalancedRouting(), warnings.catch_warnings():
+        # FSDP's note on modules that return views concerns in-place use, which a trace never makes.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
         forward_loss_sum(model, ids, ids, loss_chunk_size=work.loss_chunk_size, backward_denominator=1.0)
     for h in handles:
         h.remove()

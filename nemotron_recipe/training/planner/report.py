@@ -69,7 +69,7 @@ def as_text(outcome: Outcome, suggestions: list[Suggestion]) -> str:
         f"  parameters   {g['params']:8.2f} GiB",
         f"  gradients    {g['grads']:8.2f} GiB",
         f"  optimizer    {g['optimizer']:8.2f} GiB",
-        f"  activations  {act:>8}   (peak of one micro-batch: activations, temporaries, gathered parameters)",
+        f"  activations  {act:>12}   (peak of one micro-batch: activations, temporaries, gathered parameters)",
         f"  total        {g['total']:8.2f} GiB of {d['device_memory_gib']:.2f} GiB ({d['device']}): {d['verdict']}",
     ]
     if g["host_offloaded"]:
