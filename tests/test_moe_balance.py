@@ -78,6 +78,16 @@ def _biases(checkpoint: Path) -> torch.Tensor:
     return torch.stack([b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")])
 
 
+def expert_parallel_run(run_dir: Path, *overrides: str) -> None:
+    """The recipe at ep 2 on 2 ranks, writing to `run_dir`."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+         "recipes.finetune", *RUN_BASE, *overrides, "mesh.ep=2", f"hydra.run.dir={run_dir}"],
+        cwd=run_dir.parent, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def _skewed_data(path: Path) -> Path:
     """Prompts and responses drawn from three words, one of them three times as often: most tokens
     look alike to the router."""
@@ -111,12 +121,7 @@ def test_expert_parallel_run_matches_one_process_and_resumes_on_one(tmp_path):
     common = [*SHORT, "trainer.max_steps=20", "checkpoint.every=10", "moe.bias_update_rate=0.01"]
     run(compose_run(tmp_path / "straight", *common))
     split = tmp_path / "split"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-         "recipes.finetune", *RUN_BASE, *common, "mesh.ep=2", "trainer.stop_at_step=10", f"hydra.run.dir={split}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    expert_parallel_run(split, *common, "trainer.stop_at_step=10")
     assert json.loads((split / "summary.json").read_text())["mesh"]["ep"] == 2
     resumed = run(compose_run(split, *common))
     assert resumed["resumed_from"] == 10
@@ -158,12 +163,7 @@ def test_a_hugging_face_checkpoint_loads_under_expert_parallel_with_the_single_p
     run(compose_run(tmp_path / "source", *SHORT, "trainer.max_steps=2", "checkpoint.export_hf=true"))
     common = [*SHORT, "trainer.max_steps=2", f"model.pretrained={tmp_path / 'source' / 'hf'}"]
     run(compose_run(tmp_path / "one", *common))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-         "recipes.finetune", *RUN_BASE, *common, "mesh.ep=2", f"hydra.run.dir={tmp_path / 'ep2'}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    expert_parallel_run(tmp_path / "ep2", *common)
     got, want = _rows(tmp_path / "ep2"), _rows(tmp_path / "one")
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-5)
 
@@ -173,12 +173,7 @@ def test_lora_under_expert_parallel_matches_one_process(tmp_path):
     """Adapters on the routed experts split by expert with them; the curve is one process's."""
     common = [*SHORT, "trainer.max_steps=3", "peft=lora"]
     run(compose_run(tmp_path / "one", *common))
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-         "recipes.finetune", *RUN_BASE, *common, "mesh.ep=2", f"hydra.run.dir={tmp_path / 'ep2'}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    expert_parallel_run(tmp_path / "ep2", *common)
     got, want = _rows(tmp_path / "ep2"), _rows(tmp_path / "one")
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5), key
