@@ -90,9 +90,9 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
-        dtype = self.lora_A.weight.dtype
-        delta = self.lora_B(self.lora_A(self.lora_dropout(x.to(dtype))))
-        return out + (delta * self.scaling).to(out.dtype)
+        low = self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype)))
+        # Scaled at rank r, not at the output's width: one multiply of [tokens, r] per projection.
+        return out + self.lora_B(low * self.scaling).to(out.dtype)
 
 
 def adapt_linear(linear: nn.Linear, spec: LoRASpec) -> LoRALinear:
