@@ -7,7 +7,11 @@
 Each row builds the real model, parallelizes it with the recipe's parallelizer, runs one warm-up
 step (forward, backward, AdamW, gradients set to None, as the trainer does), then measures the next
 step: on CUDA the allocator's peak above the memory allocated before it; on CPU the peak resident set
-above the resident set before it (`benchmarks/throughput.py`'s `step_memory`). The planner predicts
+above the resident set before it (`benchmarks/throughput.py`'s `step_memory`). The resident set counts
+what the host allocator holds, not only what tensors hold: run with `MALLOC_MMAP_THRESHOLD_=65536`
+(every block above 64 KiB mapped on its own and returned when freed) to measure the tensors' peak,
+as CUDA's allocator statistics do; `--keep-freed-memory` measures under the recipe's own setting,
+where glibc keeps and fragments freed blocks. The planner predicts
 the same quantity from its fake-tensor trace of the step: the activations, temporaries, gathered
 parameters and gradients above the sharded parameters and optimizer state. It also checks the
 sharded parameter, gradient and optimizer bytes against the live tensors' storages, exactly.
@@ -111,13 +115,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mesh", default="")
     p.add_argument("--ac", default="none,full")
     p.add_argument("--dtype", default="fp32")
+    p.add_argument("--micro-batch", type=int, default=None, help="instead of the row's micro-batch size")
+    p.add_argument("--keep-freed-memory", action="store_true",
+                   help="the recipe's CPU allocator setting: glibc keeps freed blocks up to 1 GiB in its heap")
     args = p.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    keep_freed_memory()
+    if args.keep_freed_memory:
+        keep_freed_memory()
     rows = []
     for name in args.models.split(","):
         for ac in args.ac.split(","):
-            shape = ROWS.get(name, {"seq_len": 512, "micro_batch": 8})
+            shape = dict(ROWS.get(name, {"seq_len": 512, "micro_batch": 8}))
+            shape["micro_batch"] = args.micro_batch or shape["micro_batch"]
             config, plan = model_config(name), plan_for(args.mesh, world, ac, args.dtype, shape["seq_len"])
             predicted = predict(config, plan, **shape)
             rows.append((name, ac, predicted, shape))
