@@ -200,6 +200,20 @@ def test_zigzag_chunks_balance_and_cover():
         zigzag_positions(20, 3, 0)
 
 
+def test_index_tensors_made_while_tracing_with_fake_tensors_are_not_kept():
+    """The memory planner traces a launch with fake tensors before the launch runs the same shapes:
+    a cached fake index would reach the real run."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+
+    from nemotron_recipe.distributed.context_parallel import zigzag_positions
+
+    zigzag_positions.cache_clear()
+    with FakeTensorMode():
+        assert is_fake(zigzag_positions(40, 2, 1, torch.device("cpu")))
+    real = zigzag_positions(40, 2, 1, torch.device("cpu"))
+    assert not is_fake(real) and zigzag_positions(40, 2, 1, torch.device("cpu")) is real  # cached outside
+
+
 def test_unknown_plan_and_sp_misuse_are_clear_errors():
     model = _model()
     with pytest.raises(ParallelConfigError, match="unknown plan"):

@@ -13,14 +13,20 @@ Two exchanges give a mixer what a sequence shard lacks:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch._guards import detect_fake_mode
 
 from .plan import seq_len_problem
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -33,10 +39,22 @@ class ContextParallel:
 
 
 # ------------------------------------------------------------------------------- sequence layout
-# The index tensors below are made on the device they index, once per (length, cp, rank, device),
-# and cached: made on the host they would be copied to the GPU on every call, and again on every
-# activation-checkpoint recompute. They are read only, never written.
-@lru_cache(maxsize=256)
+def device_cached(fn: Callable[..., T]) -> Callable[..., T]:
+    """Caches index tensors made on the device they index, once per argument set: made on the host
+    they would be copied to the GPU on every call, and again on every activation-checkpoint
+    recompute. They are read only. Tensors made under a fake-tensor mode (the memory planner's trace)
+    are not kept: a later real run with the same arguments would index with them."""
+    cached = lru_cache(maxsize=256)(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any) -> T:
+        return fn(*args) if detect_fake_mode() is not None else cached(*args)
+
+    wrapper.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+    return wrapper
+
+
+@device_cached
 def zigzag_positions(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Global positions held by `rank`: chunk `rank`, then chunk `2*cp-1-rank`, of 2*cp chunks."""
     if problem := seq_len_problem(seq_len, cp):
@@ -58,13 +76,13 @@ def shard_sequence(t: torch.Tensor, cp: ContextParallel | None, dim: int = 1) ->
     return t.index_select(dim, zigzag_positions(t.shape[dim], cp.size, cp.rank, t.device))
 
 
-@lru_cache(maxsize=256)
+@device_cached
 def _gathered_positions(local_len: int, cp: int, device: torch.device) -> torch.Tensor:
     """Global position of each element of a rank-ordered gather of the local sequences."""
     return torch.cat([zigzag_positions(local_len * cp, cp, r, device) for r in range(cp)])
 
 
-@lru_cache(maxsize=256)
+@device_cached
 def _time_order(local_len: int, cp: int, device: torch.device) -> torch.Tensor:
     """Indices that put a rank-ordered gather of the local sequences in time order."""
     return torch.argsort(_gathered_positions(local_len, cp, device))

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from nemotron_recipe.distributed.context_parallel import (
     ContextParallel,
     all_gather_sequence,
+    device_cached,
     gather_sequence,
     heads_of_rank,
     heads_to_sequence,
@@ -116,7 +116,7 @@ def _virtual_channels(mixer: Mamba2Mixer, rep: int, mine: slice,
                             device)
 
 
-@lru_cache(maxsize=256)
+@device_cached
 def _virtual_indices(r: int, p: int, n: int, rep: int, start: int, stop: int,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Made on the device and cached: host-made indices would be copied for every layer's call and
