@@ -220,3 +220,13 @@ def test_preflight_refuses_an_unknown_mode(tmp_path):
         validate_config(compose_run(tmp_path, "trainer.preflight=maybe"))
 
 
+
+
+@pytest.mark.parametrize("scale", ["0", "0.1"])
+def test_preflight_traces_models_with_mtp_layers_trained_or_not(tmp_path, monkeypatch, scale):
+    from nemotron_recipe.config import validate_config
+    from nemotron_recipe.training.planner.preflight import preflight
+
+    monkeypatch.setenv("NR_DEVICE_MEMORY_GIB", "64")
+    cfg = compose_run(tmp_path, "trainer.device=cpu", "model.num_nextn_predict_layers=1", f"model.mtp_loss_scale={scale}")
+    preflight(cfg, validate_config(cfg), 1)  # fits, and the trace finished

@@ -18,6 +18,7 @@ are taken as balanced (every expert gets its share of the token-expert pairs).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nemotron_recipe.distributed import tensor_parallel
 from nemotron_recipe.distributed.plan import ParallelMeshes, ParallelPlan
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, kernels
-from nemotron_recipe.training.loss import forward_loss_sum
+from nemotron_recipe.training.loss import forward_loss_sums
 
 from .state import module_state
 from .world import Trainability, sharded_meta_model
@@ -180,7 +181,13 @@ def _run_step(model: nn.Module, ids_shape: tuple[int, int], work: Workload, devi
     with tracker, _BalancedRouting(), warnings.catch_warnings():
         # FSDP's note on modules that return views concerns in-place use, which a trace never makes.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-        forward_loss_sum(model, ids, ids, loss_chunk_size=work.loss_chunk_size, backward_denominator=1.0)
+        # MTP layers run on each depth's shifted tokens, as in training.
+        config, mtp = model.config, None
+        if config.num_nextn_predict_layers:
+            shifted = ids.unsqueeze(-1).expand(*ids.shape, config.num_nextn_predict_layers).contiguous()
+            mtp = (shifted, shifted)
+        forward_loss_sums(model, ids, ids, loss_chunk_size=work.loss_chunk_size, backward_denominator=1.0,
+                          mtp=mtp, mtp_loss_scale=config.effective_mtp_loss_scale)
     for h in handles:
         h.remove()
     # A checkpointed block's forward runs again in backward: the first run is what it keeps.
@@ -190,6 +197,9 @@ def _run_step(model: nn.Module, ids_shape: tuple[int, int], work: Workload, devi
 def trace(config: NemotronHConfig, plan: ParallelPlan, meshes: ParallelMeshes, work: Workload,
           trainability: Trainability | None = None) -> ActivationTrace:
     """Trace one forward + backward of `config`'s model (as given: whole or reduced) on this rank."""
+    if config.num_nextn_predict_layers and not config.effective_mtp_loss_scale:
+        # MTP layers at scale 0 never run: traced, their idle FSDP units would not finish the backward.
+        config = dataclasses.replace(config, num_nextn_predict_layers=0, mtp_loss_scale=None)
     model = sharded_meta_model(config, plan, meshes, trainability or Trainability())
     blocks = list(model.model.layers)
     grads = tuple(module_state(b).grads for b in blocks)
