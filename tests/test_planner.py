@@ -23,6 +23,7 @@ from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCaus
 from nemotron_recipe.training.loss import forward_loss_sum
 from nemotron_recipe.training.optim import build_optimizer
 from nemotron_recipe.training.planner import Planner, Workload, fake_world
+from nemotron_recipe.training.planner import activations
 from nemotron_recipe.training.planner.activations import extrapolate, trace
 from nemotron_recipe.training.planner.world import reduced_config
 from nemotron_recipe.training.setup import parallelize_model
@@ -90,6 +91,66 @@ def test_traced_step_equals_the_real_steps_allocations(ac):
         peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     measured = peak["Total"] - peak[_FSDPRefType.SHARDED_PARAM] - peak[_FSDPRefType.INP]
     assert abs(predicted - measured) <= 0.01 * measured
+
+
+class _CountingAllToAll(activations._BalancedRouting):
+    """The traced step's routing, also adding up what rank 0 sends in every all-to-all: each row
+    not in its own (first) split."""
+
+    sent: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.all_to_all_single.default:
+            rows, splits = args[0], args[2]
+            row_bytes = rows[0].numel() * rows.element_size() if rows.shape[0] else 0
+            self.sent.append((sum(splits) - splits[0]) * row_bytes)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+# (model, mesh, ac, dtype, micro-batch x tokens, all-to-alls counted by hand, bytes each). tiny: one MoE
+# block of 8 experts, top-2 routing, hidden 128. Recomputation (full, selective) runs its exchanges again.
+LATENT_MTP_TINY = dataclasses.replace(NemotronHConfig.from_preset("tiny"), moe_latent_size=32,
+                                      num_nextn_predict_layers=1)
+EP_CASES = {
+    # 512 rows over 2 ranks: 256 sent, 128 fp32 each.
+    "ep2": (ODD_TINY, "dp_shard=4,ep=2", "none", "fp32", (2, 128), 4, 256 * 128 * 4),
+    # 254 rows over 4 ranks as 64, 64, 63, 63: rank 0 keeps 64 and sends 190.
+    "ep4_uneven_full_ac": (ODD_TINY, "dp_shard=4,ep=4", "full", "fp32", (1, 127), 6, 190 * 128 * 4),
+    # Latent MoE with an MTP layer (pattern *E): two MoE blocks, rows of the latent width 32 in bf16.
+    "latent_mtp_selective": (LATENT_MTP_TINY, "dp_shard=2,ep=2", "selective", "bf16", (2, 64), 12, 128 * 32 * 2),
+}
+
+
+@pytest.mark.parametrize("case", EP_CASES, ids=list(EP_CASES))
+def test_expert_all_to_all_bytes_are_what_the_traced_step_sends(case, monkeypatch):
+    """The planner's expert-parallel traffic against a hand count and against the all-to-alls the
+    traced step issues (forward, backward, recomputation), to the byte."""
+    from nemotron_recipe.training.planner.comms import ep_bytes
+
+    config, mesh, ac, dtype, (micro_batch, seq_len), exchanges, each = EP_CASES[case]
+    plan = plan_for(mesh, 4 if "dp_shard=4" in mesh else 2, ac, dtype, seq_len)
+    work = Workload(micro_batch, seq_len)
+    monkeypatch.setattr(activations, "_BalancedRouting", _CountingAllToAll)
+    monkeypatch.setattr(_CountingAllToAll, "sent", [])
+    Planner(config, work).estimate(plan)
+    assert len(_CountingAllToAll.sent) == exchanges and set(_CountingAllToAll.sent) == {each}
+    assert ep_bytes(config, plan, work) == exchanges * each
+
+
+def test_expert_parallel_activations_do_not_grow_with_the_world():
+    """At a fixed per-rank batch a rank's experts receive as many rows at any world size; more ranks
+    only shard each expert further (ep_shard), whose gathered weights are transient like any unit's.
+    An 18-block MoE model is extrapolated from its reduced trace, and the result held to the whole
+    trace at the largest world."""
+    config = dataclasses.replace(ODD_TINY, pattern="ME" * 9)
+    work = Workload(2, 128)
+    planner = Planner(config, work)
+    plans = {w: plan_for(f"dp_shard={w},ep=2", w, "none", "fp32", 128) for w in (2, 4, 8)}
+    acts = {w: planner.estimate(plan).activations for w, plan in plans.items()}
+    assert max(acts.values()) - min(acts.values()) <= 0.01 * acts[2], acts
+    with fake_world(8):
+        whole = trace(config, plans[8], plans[8].build_meshes("cpu"), work)
+    assert abs(whole.peak - planner.estimate(plans[8]).trace.peak) <= 0.03 * whole.peak
 
 
 @pytest.mark.parametrize("ac", ["none", "full", "blocks"])

@@ -58,15 +58,16 @@ def dispatch(rows: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup)
     return Dispatched(received[order], counts_from.sum(0).to(rows.device), send, recv, order, group)
 
 
-def _even(total: int, parts: int) -> list[int]:
+def even_split(total: int, parts: int) -> list[int]:
+    """`total` rows over `parts` ranks as evenly as they go, the first ranks taking one more."""
     return [total // parts + (i < total % parts) for i in range(parts)]
 
 
 def _balanced_guess(rows: torch.Tensor, ep: int, local: int) -> tuple[list[int], list[int], torch.Tensor]:
     """Splits for fake tensors (memory planning), whose routing is unknown: rows spread evenly over
     ranks and experts, as many received as sent."""
-    send = _even(rows.shape[0], ep)
-    counts_from = torch.tensor([_even(n, local) for n in send], dtype=torch.int64, device=rows.device)
+    send = even_split(rows.shape[0], ep)
+    counts_from = torch.tensor([even_split(n, local) for n in send], dtype=torch.int64, device=rows.device)
     return send, list(send), counts_from
 
 

@@ -153,6 +153,14 @@ def _working(snapshot: dict) -> int:
     return sum(v for k, v in snapshot.items() if k != "Total" and k not in _NOT_STEP)
 
 
+def _held(snapshot: dict) -> int:
+    """Working memory less FSDP's all-gather buffers: FSDP keeps the last unit's buffer until the next
+    unit gathers, so a block's forward ends holding its experts' (or its own) buffer, which the next
+    block frees. Counted as kept, that one buffer per block would be multiplied by every block of the
+    kind in the extrapolation (its experts' gathered weights under expert parallel with ep_shard > 1)."""
+    return _working(snapshot) - snapshot.get(_FSDPRefType.ALL_GATHER, 0)
+
+
 def _module_peak(tracker: FSDPMemTracker, module: nn.Module, device: torch.device) -> int:
     """The module's highest working memory while it ran (forward or backward)."""
     stats = tracker.memory_tracking.get(module)
@@ -174,10 +182,10 @@ def _run_step(model: nn.Module, ids_shape: tuple[int, int], work: Workload, devi
         mine: list[int] = []
         kept.append(mine)
         handles.append(block.register_forward_pre_hook(
-            lambda m, a, before=before: before.append(_working(tracker.get_tracker_snapshot()[device]))))
+            lambda m, a, before=before: before.append(_held(tracker.get_tracker_snapshot()[device]))))
         handles.append(block.register_forward_hook(
             lambda m, a, o, before=before, mine=mine: mine.append(
-                _working(tracker.get_tracker_snapshot()[device]) - before.pop())))
+                _held(tracker.get_tracker_snapshot()[device]) - before.pop())))
     with tracker, _BalancedRouting(), warnings.catch_warnings():
         # FSDP's note on modules that return views concerns in-place use, which a trace never makes.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")

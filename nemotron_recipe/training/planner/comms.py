@@ -11,8 +11,11 @@ ranks sends S (n-1)/n, an all-reduce twice that, an all-to-all S (n-1)/n of what
   bytes); the vocab-sharded embedding all-reduces its output. Recomputed blocks repeat their forward.
 - Context parallel: Mamba2 exchanges its projected sequence all-to-all there and back, forward and
   backward; attention gathers keys and values in forward and reduce-scatters their gradients.
-- Expert parallel: routed tokens all-to-all to their experts and back (not yet counted here: the
-  planner leaves that term at zero).
+- Expert parallel: each MoE block sends its routed rows (tokens x top-k, of the experts' input
+  width: the latent size under LatentMoE) to their experts' ranks and takes the outputs back, two
+  all-to-alls in forward and two in backward, two more where the block is recomputed (selective
+  recomputation runs the exchange again too). Routing is taken as balanced, as the traced step
+  takes it (`expert_parallel._balanced_guess`): a rank keeps its own share of rows and sends the rest.
 The floor assumes perfect overlap: the larger of compute at `tflops_per_device` and the traffic of
 each group over its link (NVLink inside a node, InfiniBand across nodes).
 """
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nemotron_recipe.distributed.activation_checkpoint import is_checkpointed
+from nemotron_recipe.distributed.expert_parallel import even_split
 from nemotron_recipe.distributed.plan import ParallelPlan
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig
 from nemotron_recipe.models.nemotron_v3.flops import forward_flops, training_flops
@@ -83,8 +88,31 @@ def activation_bytes(config: NemotronHConfig, plan: ParallelPlan, work: Workload
         mamba = config.pattern.count("M") * (2 + recompute) * 2 * _ring(projected, plan.cp)
         attention = config.pattern.count("*") * (2 + recompute) * kv * (plan.cp - 1)
         out["cp_exchange"] = micro_batches * (mamba + attention)
-    out["ep_all_to_all"] = 0.0
+    out["ep_all_to_all"] = micro_batches * ep_bytes(config, plan, work)
     return out
+
+
+def _moe_exchanges(config: NemotronHConfig, plan: ParallelPlan) -> int:
+    """All-to-alls of one micro-batch's MoE blocks (decoder and the MTP layers that run): 4 each,
+    6 where the block is recomputed. MoE is never the model's pick for `blocks`."""
+    stacks = [config.pattern]
+    if config.num_nextn_predict_layers and config.effective_mtp_loss_scale:
+        stacks.append(config.mtp_pattern * config.num_nextn_predict_layers)
+    return sum(6 if is_checkpointed(plan.ac.mode, i, plan.ac.every, model_choice=False) else 4
+               for stack in stacks for i, kind in enumerate(stack) if kind == "E")
+
+
+def ep_bytes(config: NemotronHConfig, plan: ParallelPlan, work: Workload) -> float:
+    """Bytes one rank sends in expert parallel's all-to-alls for one micro-batch."""
+    if plan.ep == 1:
+        return 0.0
+    tokens = work.micro_batch * work.seq_len // plan.cp
+    if plan.sequence_parallel:
+        tokens //= plan.tp  # each tp rank routes its own part of the sequence
+    rows = tokens * config.num_experts_per_tok
+    kept = even_split(rows, plan.ep)[0]  # rank 0's own experts' share stays on the rank
+    width = config.moe_latent_size or config.hidden_size
+    return _moe_exchanges(config, plan) * (rows - kept) * width * _bytes(plan.param_dtype)
 
 
 def _link(stride: int, size: int, hw: Hardware) -> float:
