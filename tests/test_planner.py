@@ -13,19 +13,22 @@ import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
 import yaml
 
 from benchmarks.plan_validation import OPTIM, live_state, model_config, plan_for
+from nemotron_recipe.distributed import expert_parallel
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.models.nemotron_v3.lora import LoRASpec, add_adapters
 from nemotron_recipe.training.loss import forward_loss_sum
 from nemotron_recipe.training.optim import build_optimizer
 from nemotron_recipe.training.planner import Planner, Workload, fake_world
 from nemotron_recipe.training.planner import activations
 from nemotron_recipe.training.planner.activations import extrapolate, trace
-from nemotron_recipe.training.planner.world import reduced_config
+from nemotron_recipe.training.planner.world import Trainability, reduced_config
 from nemotron_recipe.training.setup import parallelize_model
 from tests.helpers import CONF, REPO, compose_run
 
@@ -38,14 +41,25 @@ MESHES_OF_8 = {
     "tp_cp": "tp=2,cp=2",
     "hsdp": "dp_replicate=2",
     "hsdp_tp": "dp_replicate=2,tp=2",
+    "ep": "dp_shard=8,ep=4",  # 2 experts per rank, each sharded over 2 (ep_shard)
+    "hsdp_ep": "dp_replicate=2,ep=2",
 }
+LORA = Trainability(LoRASpec(8, 16.0, 0.0, ("*.in_proj", "*.out_proj", "*.q_proj", "*.up_proj", "*.down_proj")),
+                    torch.bfloat16)
 
 
-def _real_state(config: NemotronHConfig, plan) -> dict[str, int]:
-    """Bytes of the live shards after a real step with gradients kept, in the same fake world."""
+def _real_state(config: NemotronHConfig, plan, trainability: Trainability | None = None) -> dict[str, int]:
+    """Bytes of the live shards after a real step with gradients kept, in the same fake world, with
+    the model adapted and frozen as the trainer does. The fake world carries no data between ranks, so
+    expert parallel's row counts are taken balanced, as in the planner's trace."""
+    trainability = trainability or Trainability()
     torch.manual_seed(0)
-    with fake_world(plan.world_size):
-        model = parallelize_model(NemotronHForCausalLM(config), plan, plan.build_meshes("cpu"))
+    with fake_world(plan.world_size), mock.patch.object(expert_parallel, "is_fake", lambda t: True):
+        model = NemotronHForCausalLM(config)
+        if trainability.lora:
+            model.to(trainability.base_dtype)
+            add_adapters(model, trainability.lora)
+        model = parallelize_model(model, plan, plan.build_meshes("cpu"), reapply_trainability=trainability.reapply())
         optimizer = build_optimizer(model, OPTIM)
         ids = torch.randint(0, config.vocab_size, (2, 32 // plan.cp))
         forward_loss_sum(model, ids, ids, backward_denominator=1.0)
@@ -53,18 +67,24 @@ def _real_state(config: NemotronHConfig, plan) -> dict[str, int]:
         return live_state(model, optimizer)
 
 
-@pytest.mark.parametrize("mesh", MESHES_OF_8, ids=list(MESHES_OF_8))
-def test_state_bytes_exact_on_8_simulated_ranks(mesh):
-    plan = plan_for(MESHES_OF_8[mesh], 8, "none", "bf16", 32)
-    predicted = Planner(ODD_TINY, Workload(2, 32)).state(plan)
-    real = _real_state(ODD_TINY, plan)
+def _assert_state_exact(plan, trainability: Trainability | None = None) -> None:
+    predicted = Planner(ODD_TINY, Workload(2, 32), trainability).state(plan)
+    real = _real_state(ODD_TINY, plan, trainability)
     assert (predicted.params, predicted.grads, predicted.optimizer) == (real["params"], real["grads"], real["optimizer"])
 
 
-def test_frozen_parameters_hold_no_gradients_or_optimizer_state():
-    from nemotron_recipe.models.nemotron_v3.lora import LoRASpec
-    from nemotron_recipe.training.planner.world import Trainability
+@pytest.mark.parametrize("mesh", MESHES_OF_8, ids=list(MESHES_OF_8))
+def test_state_bytes_exact_on_8_simulated_ranks(mesh):
+    _assert_state_exact(plan_for(MESHES_OF_8[mesh], 8, "none", "bf16", 32))
 
+
+@pytest.mark.parametrize("mesh", ["fsdp", "tp", "ep"])
+def test_lora_state_bytes_exact_on_8_simulated_ranks(mesh):
+    """LoRA adapters (fp32, routed experts' per-expert adapters included) over a frozen bf16 base."""
+    _assert_state_exact(plan_for(MESHES_OF_8[mesh], 8, "none", "bf16", 32), LORA)
+
+
+def test_frozen_parameters_hold_no_gradients_or_optimizer_state():
     plan = plan_for("dp_shard=2", 2, "none", "bf16", 32)
     full = Planner(ODD_TINY, Workload(2, 32)).state(plan)
     lora = Trainability(LoRASpec(4, 8.0, 0.0, ("*.in_proj", "*.up_proj")), torch.bfloat16)
