@@ -69,13 +69,16 @@ class Planner:
     def __init__(self, config: NemotronHConfig, work: Workload, trainability: Trainability | None = None) -> None:
         self.config, self.work, self.trainability = config, work, trainability or Trainability()
         self._traces: dict[tuple, ActivationTrace] = {}
+        self._states: dict[ParallelPlan, StateBytes] = {}
 
     def state(self, plan: ParallelPlan) -> StateBytes:
-        with fake_world(plan.world_size):
-            sim = _simulated(plan)
-            reduced = sharded_meta_model(reduced_config(self.config), sim, sim.build_meshes(SIMULATED_DEVICE),
-                                         self.trainability)
-            return model_state(reduced, self.config)[0]
+        sim = _simulated(plan)
+        if sim not in self._states:
+            with fake_world(plan.world_size):
+                reduced = sharded_meta_model(reduced_config(self.config), sim, sim.build_meshes(SIMULATED_DEVICE),
+                                             self.trainability)
+                self._states[sim] = model_state(reduced, self.config)[0]
+        return self._states[sim]
 
     def estimate(self, plan: ParallelPlan, *, grad_accum: int = 1, budget: int | None = None,
                  work: Workload | None = None) -> MemoryEstimate:

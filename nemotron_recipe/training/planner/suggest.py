@@ -73,16 +73,23 @@ def _memory_candidates(launch: Launch) -> Iterator[tuple[str, Callable[[Launch],
             x, work=dataclasses.replace(x.work, loss_chunk_size=1024))
 
 
-def _more_ranks(planners: dict, launch: Launch) -> Iterator[tuple[str, Outcome]]:
-    """The fewest ranks (the launch's times a power of 2) that fit, sharding over the added ones."""
-    p = launch.plan
+def _more_ranks(planners: dict, launch: Launch, base: Outcome) -> Iterator[tuple[str, Outcome]]:
+    """The fewest ranks (the launch's times a power of 2) that fit, sharding over the added ones.
+
+    Added data-parallel ranks shard the state and gradients, never a micro-batch's activations: a world
+    whose resident state plus the launch's traced activations exceeds the budget cannot fit, and is
+    passed over untraced (the largest world is traced, to report what it would need)."""
+    p, floor = launch.plan, base.estimate.activations
     factor = 2
     while factor <= MAX_WORLD_FACTOR:
-        more = with_plan(launch, dp_shard=p.dp_shard * factor)
-        outcome = _evaluate(planners, more)
-        if outcome is not None and (outcome.fits or factor == MAX_WORLD_FACTOR):
-            yield f"plan.world_size={more.plan.world_size} (launch {more.plan.world_size} ranks)", outcome
-            return
+        more, last = with_plan(launch, dp_shard=p.dp_shard * factor), factor == MAX_WORLD_FACTOR
+        probe = more if last else dataclasses.replace(more, budget=max(more.budget - floor, 0))
+        outcome = _evaluate(planners, probe)
+        if outcome is not None:
+            outcome = dataclasses.replace(outcome, launch=more)  # judged against the real budget
+            if outcome.fits or last:
+                yield f"plan.world_size={more.plan.world_size} (launch {more.plan.world_size} ranks)", outcome
+                return
         factor *= 2
 
 
@@ -119,5 +126,5 @@ def suggest(planner: Planner, launch: Launch, base: Outcome, *, limit: int = 8) 
     found = [s for s in found if s.outcome.fits or s.outcome.estimate.device_total < base.estimate.device_total]
     found.sort(key=lambda s: (not s.outcome.fits, s.outcome.time["floor_s"] if s.outcome.fits else 0,
                               s.outcome.estimate.device_total))
-    more = [Suggestion(change, o) for change, o in _more_ranks(planners, launch)]
+    more = [Suggestion(change, o) for change, o in _more_ranks(planners, launch, base)]
     return (found[:limit - len(more)] + more)[:limit]
