@@ -128,10 +128,13 @@ class MoEConfig:
     """Routed experts of MoE models. `bias_update_rate` (0: off): after each optimizer step every
     router's correction bias moves by this rate times sign(mean load - expert load), the loads counted
     over the whole global batch (auxiliary-loss-free balancing). `freeze_router`: the router weight
-    and its correction bias stay as loaded."""
+    and its correction bias stay as loaded. `aux_loss_coeff` (0: off): the coefficient of the
+    sequence-wise balance loss (DeepSeek-V3, Megatron-LM's `seq_aux_loss`) each MoE block of the
+    decoder adds to the objective, averaged over the step's sequences."""
 
     bias_update_rate: float = 0.0
     freeze_router: bool = False
+    aux_loss_coeff: float = 0.0
 
 
 @dataclass
@@ -458,7 +461,11 @@ def _moe_problems(cfg: Any, model_config: NemotronHConfig, plan: ParallelPlan) -
     if rate > 0 and cfg.moe.freeze_router:
         errors.append(f"moe.bias_update_rate={rate} with moe.freeze_router=true: a frozen router keeps its correction "
                       "bias too. Fix: moe.bias_update_rate=0, or moe.freeze_router=false.")
-    for name, value in (("bias_update_rate", rate), ("freeze_router", cfg.moe.freeze_router)):
+    coeff = cfg.moe.aux_loss_coeff
+    if coeff < 0:
+        errors.append(f"moe.aux_loss_coeff={coeff}: must be >= 0 (0: off). Fix: e.g. moe.aux_loss_coeff=1e-4.")
+    for name, value in (("bias_update_rate", rate), ("freeze_router", cfg.moe.freeze_router),
+                        ("aux_loss_coeff", coeff)):
         if value and not has_moe:
             errors.append(f"moe.{name}={value}: the model (pattern {model_config.pattern!r}) has no MoE block. "
                           f"Fix: leave moe.{name} at its default, or use a model with MoE blocks ('E').")

@@ -38,6 +38,8 @@ PARITY_RTOL = 1e-5  # LoRA loss curves of a mesh against one process, fp32
 FAST = [*RUN_BASE, "trainer.val_every=0", "optim.warmup_steps=0", "optim.lr=1e-2"]
 # Everything but the Mamba2 out_proj, which PEFT refuses to adapt on NemotronH.
 PEFT_TARGETS = "peft.target_modules=[*.in_proj,*.q_proj,*.k_proj,*.v_proj,*.o_proj,*.up_proj,*.down_proj]"
+# The default targets and lm_head, which is adapted only when named.
+WITH_HEAD = "peft.target_modules=[*.in_proj,*.out_proj,*.q_proj,*.k_proj,*.v_proj,*.o_proj,*.up_proj,*.down_proj,lm_head]"
 
 
 def lora_run(run_dir: Path, *overrides: str) -> dict:
@@ -121,8 +123,8 @@ def test_adapters_cover_every_block_kind_and_start_as_the_base():
 @pytest.mark.parametrize("overrides, needle", [
     (["peft.rank=0"], "peft.rank=0: must be a positive integer"),
     (["peft.target_modules=[*.gate_proj]"], "'*.gate_proj' matches no module. Fix: use glob patterns over these "
-                                            "names: ['model.layers.*.mixer.down_proj'"),
-    (["peft.target_modules=[lm_head]"], "lm_head cannot carry an adapter yet"),
+                                            "names: ['lm_head', 'model.embeddings', 'model.layers.*.mixer.down_proj'"),
+    (["peft.target_modules=[model.embeddings]", "mesh.tp=2"], "an adapted embedding runs on tp=1 only"),
     (["peft.base_dtype=fp16"], "peft.base_dtype='fp16': unknown"),
 ])
 def test_bad_lora_settings_are_named_before_any_work(tmp_path, overrides, needle):
@@ -134,11 +136,17 @@ def test_bad_lora_settings_are_named_before_any_work(tmp_path, overrides, needle
 
 # ------------------------------------------------------------------ the recipe
 def test_step_zero_is_the_base_and_lora_learns(tmp_path):
-    full = lora_run(tmp_path / "full", "trainer.max_steps=1", "checkpoint.save_final=false")
-    lora = lora_run(tmp_path / "lora", "peft=lora", "peft.base_dtype=fp32", "trainer.max_steps=10",
-                    "checkpoint.save_final=false")
+    """30 LoRA steps on the tiny preset (its random base, the shipped SFT data and validation set, the
+    recipe's optimizer defaults) lower validation loss by 30%, with lm_head named as a target: over a
+    frozen random head and final norm a hidden state of RMS 1 reaches logits of about +-2.5 at most, so
+    the default targets alone cannot go much below the unigram loss (13% in 30 steps)."""
+    settings = ["optim.lr=3e-3", "optim.warmup_steps=10", "data.val_max_batches=8", "checkpoint.save_final=false"]
+    full = lora_run(tmp_path / "full", "trainer.max_steps=1", *settings)
+    lora = lora_run(tmp_path / "lora", "peft=lora", "peft.base_dtype=fp32", WITH_HEAD,
+                    "trainer.max_steps=30", *settings)
+    print(f"LoRA with lm_head, 30 steps: validation loss {lora['first_val_loss']:.4f} -> {lora['last_val_loss']:.4f}")
     assert lora["first_val_loss"] == full["first_val_loss"]  # exactly: B = 0
-    assert lora["last_val_loss"] < 0.99 * lora["first_val_loss"]
+    assert lora["last_val_loss"] <= 0.7 * lora["first_val_loss"]
 
 
 def test_checkpoint_holds_adapters_and_resumes_exactly(tmp_path):
@@ -249,6 +257,48 @@ def test_adapter_made_by_peft_starts_a_run(tmp_path, base_dir):
     with pytest.raises(LoRAError, match="does not match this model's adapters: missing .*out_proj"):
         lora_run(tmp_path / "all", "peft=lora", f"model.pretrained={base_dir}",
                  f"peft.init_from={tmp_path / 'made'}", "trainer.max_steps=1")
+
+
+def test_embedding_and_lm_head_adapters_match_peft(tmp_path, base_dir):
+    """lm_head and the embedding, adapted when named: our forward (and the head's chunked loss) against
+    `peft` on transformers' model both ways (our export loaded by peft; an adapter made by peft, which
+    saves the embedding layers whole, loaded by ours), and the merge."""
+    import peft
+
+    from nemotron_recipe.models.nemotron_v3.lora import peft_targets, to_peft
+    from nemotron_recipe.training.lora import merge_into, write_peft_adapter
+
+    spec = LoRASpec(8, 32.0, 0.0, ("lm_head", "model.embeddings", "*.q_proj"))
+    ours = NemotronHForCausalLM.from_pretrained(str(base_dir))
+    targets = add_adapters(ours, spec)
+    init_adapters(ours, seed=1)
+    x, values = ids(), {}
+    with torch.no_grad():
+        for name, p in adapter_parameters(ours).items():  # B = 0 and the embedding's A = 0 at the start
+            values[name] = p.add_(0.01 * torch.randn_like(p)).clone() if p.abs().max() == 0 else p.clone()
+        logits = ours.eval()(x).logits
+        out = ours(x, targets=x.roll(-1, 1), loss_chunk_size=16)
+        plain = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.roll(-1, 1).flatten(), reduction="sum")
+        torch.testing.assert_close(out.loss_sum, plain, rtol=1e-6, atol=1e-4)
+    write_peft_adapter(tmp_path, to_peft(ours.config, values), spec, *peft_targets(ours.config, targets), None)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        adapted = peft.PeftModel.from_pretrained(hf_model(base_dir), str(tmp_path)).eval()
+        assert (hf_model(base_dir)(x).logits - logits).abs().max() > 100 * LOGITS_ATOL
+        torch.testing.assert_close(adapted(x).logits, logits, rtol=0, atol=LOGITS_ATOL)
+        made = peft.get_peft_model(hf_model(base_dir), peft.LoraConfig(
+            r=8, lora_alpha=32, init_lora_weights=False, target_modules=["embeddings", "lm_head"]))
+        made.save_pretrained(str(tmp_path / "made"))
+        theirs = made.eval()(x).logits
+    spec = LoRASpec(8, 32.0, 0.0, ("lm_head", "model.embeddings"))
+    loaded = NemotronHForCausalLM.from_pretrained(str(base_dir))
+    add_adapters(loaded, spec)
+    set_full_values(loaded, read_peft_adapter(tmp_path / "made", loaded.config, spec, adapter_parameters(loaded)))
+    merged = NemotronHForCausalLM.from_pretrained(str(base_dir))
+    merge_into(merged, {n: p.detach() for n, p in adapter_parameters(loaded).items()}, spec)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.eval()(x).logits, theirs, rtol=0, atol=LOGITS_ATOL)
+        torch.testing.assert_close(merged.eval()(x).logits, theirs, rtol=0, atol=LOGITS_ATOL)
 
 
 # ------------------------------------------------------------------ meshes

@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from benchmarks.plan_validation import OPTIM, live_state, model_config, plan_for
+from benchmarks.throughput import mesh_sizes
 from nemotron_recipe.distributed import expert_parallel
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
 from nemotron_recipe.models.nemotron_v3.lora import LoRASpec, add_adapters
@@ -136,6 +137,8 @@ EP_CASES = {
     "ep2": (ODD_TINY, "dp_shard=4,ep=2", "none", "fp32", (2, 128), 4, 256 * 128 * 4),
     # 254 rows over 4 ranks as 64, 64, 63, 63: rank 0 keeps 64 and sends 190.
     "ep4_uneven_full_ac": (ODD_TINY, "dp_shard=4,ep=4", "full", "fp32", (1, 127), 6, 190 * 128 * 4),
+    # tp 2 with sequence parallel: the MoE block gathers the sequence, so each tp rank routes all 512 rows.
+    "tp2_sp": (ODD_TINY, "dp_shard=2,tp=2,sequence_parallel=true,ep=2", "none", "fp32", (2, 128), 4, 256 * 128 * 4),
     # Latent MoE with an MTP layer (pattern *E): two MoE blocks, rows of the latent width 32 in bf16.
     "latent_mtp_selective": (LATENT_MTP_TINY, "dp_shard=2,ep=2", "selective", "bf16", (2, 64), 12, 128 * 32 * 2),
 }
@@ -148,7 +151,8 @@ def test_expert_all_to_all_bytes_are_what_the_traced_step_sends(case, monkeypatc
     from nemotron_recipe.training.planner.comms import ep_bytes
 
     config, mesh, ac, dtype, (micro_batch, seq_len), exchanges, each = EP_CASES[case]
-    plan = plan_for(mesh, 4 if "dp_shard=4" in mesh else 2, ac, dtype, seq_len)
+    sizes = mesh_sizes(mesh)
+    plan = plan_for(mesh, sizes["dp_shard"] * sizes["tp"], ac, dtype, seq_len)
     work = Workload(micro_batch, seq_len)
     monkeypatch.setattr(activations, "_BalancedRouting", _CountingAllToAll)
     monkeypatch.setattr(_CountingAllToAll, "sent", [])
@@ -239,7 +243,8 @@ def test_a_mesh_that_cannot_work_fails_with_the_launch_message(tmp_path):
 
 def test_plan_json_reports_every_figure(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "recipes.plan", "--json", "mesh.tp=2", "plan.world_size=8",
+        # One block of each kind: every figure and suggestion of the report, with fewer ops to trace.
+        [sys.executable, "-m", "recipes.plan", "--json", "mesh.tp=2", "plan.world_size=8", "model.pattern=M*-E",
          "trainer.global_batch_size=32", "plan.device_memory_gib=0.01"],
         cwd=tmp_path, check=False, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
@@ -276,8 +281,11 @@ def test_preflight_stops_an_8b_launch_before_allocating(tmp_path):
 
 def test_preflight_modes(tmp_path, monkeypatch, caplog):
     from nemotron_recipe.config import validate_config
+    from nemotron_recipe.training.planner import preflight as preflight_module
     from nemotron_recipe.training.planner.preflight import PreflightError, preflight
 
+    # The modes, not the suggestions (the 8B launch and the JSON report check those): none searched.
+    monkeypatch.setattr(preflight_module, "suggest", lambda *args, **kwargs: [])
     monkeypatch.setenv("NR_DEVICE_MEMORY_GIB", "0.001")
     cfg = compose_run(tmp_path, "trainer.device=cpu")
     validated = validate_config(cfg)

@@ -35,6 +35,7 @@ from nemotron_recipe.models.nemotron_v3 import (
 from nemotron_recipe.models.nemotron_v3.checkpoint import safetensors_files
 from nemotron_recipe.models.nemotron_v3.lora import (
     ExpertAdapters,
+    LoRAEmbedding,
     LoRAError,
     LoRALinear,
     LoRASpec,
@@ -42,6 +43,7 @@ from nemotron_recipe.models.nemotron_v3.lora import (
     add_adapters,
     from_peft,
     init_adapters,
+    merged_embedding,
     merged_experts,
     merged_weight,
     peft_targets,
@@ -196,6 +198,11 @@ def merge_into(model: NemotronHForCausalLM, values: dict[str, torch.Tensor], spe
                 a, b = values[f"{name}.lora_A.weight"], values[f"{name}.lora_B.weight"]
                 module.weight.copy_(merged_weight(module.weight, a, b, spec.scaling))
                 remove_linear_adapter(module)
+            elif isinstance(module, LoRAEmbedding):
+                a, b = values[f"{name}.lora.lora_embedding_A"], values[f"{name}.lora.lora_embedding_B"]
+                module.weight.copy_(merged_embedding(module.weight, a, b, spec.scaling))
+                del module.lora
+                module.__class__ = torch.nn.Embedding
             elif isinstance(module, ExpertAdapters):
                 experts = model.get_submodule(name.rsplit(".", 1)[0])
                 for proj in module:

@@ -6,6 +6,9 @@ An adapted projection computes `W x + (alpha / r) * B A x` with the base `W` fro
 - Linear projections (Mamba2 `in_proj`/`out_proj`, attention q/k/v/o, MLP and shared-expert up/down)
   become `LoRALinear`: the same `nn.Linear` (its `weight` keeps its name and its tensor-parallel
   style) with two children, `lora_A` and `lora_B`, named as PEFT names them.
+- `lm_head` (only when a pattern names it) becomes `LoRALMHead`, a `LoRALinear` whose chunked loss
+  reads the adapter too; the embedding (only when named) gets PEFT's embedding adapter, `A` [r, vocab]
+  (zero at the start) and `B` [hidden, r], in an `EmbeddingLoRA` child.
 - Routed experts, stored stacked ([E, out, in]), get per-expert adapters `A` [E, r, in] and `B`
   [E, out, r] in an `ExpertAdapters` child that the experts' grouped GEMM path calls: two more
   grouped GEMMs per projection, no loop over experts.
@@ -43,13 +46,16 @@ from torch.distributed.tensor.parallel import (
 
 from .checkpoint import mamba_in_proj_order
 from .config import ModelConfigError, NemotronHConfig
-from .model import Experts, NemotronHForCausalLM, expert_matmul, local
+from .kernels import linear_cross_entropy_sum
+from .model import Experts, LMHead, NemotronHForCausalLM, expert_matmul, local
 
 # Every linear projection of every block kind; routed experts (`experts.up_proj`) included.
 DEFAULT_TARGETS = ("*.in_proj", "*.out_proj", "*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj", "*.up_proj",
                    "*.down_proj")
 # Path components that mark a parameter as an adapter's.
 ADAPTER_PARTS = ("lora_A", "lora_B", "lora")
+# PEFT's names of an embedding's adapter factors (parameters, not modules: no `.weight`).
+EMBEDDING_FACTORS = ("lora_embedding_A", "lora_embedding_B")
 _EXPERT_PROJS = ("up_proj", "down_proj")
 
 
@@ -95,10 +101,23 @@ class LoRALinear(nn.Linear):
         return out + self.lora_B(low * self.scaling).to(out.dtype)
 
 
+class LoRALMHead(LoRALinear, LMHead):
+    """`lm_head` with an adapter. Its chunked loss runs on `[hidden, scaling * A h] @ [W, B].T`: one
+    GEMM per chunk as without the adapter, so the [tokens, vocab] logits still never exist at once."""
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, chunk_size: int = 0):
+        if targets is None or not chunk_size or isinstance(self.weight, DTensor) or isinstance(hidden, DTensor):
+            return LoRALinear.forward(self, hidden)
+        low = self.lora_A(self.lora_dropout(hidden.to(self.lora_A.weight.dtype))) * self.scaling
+        weight = torch.cat([self.weight, self.lora_B.weight.to(self.weight.dtype)], dim=1)
+        return linear_cross_entropy_sum(torch.cat([hidden, low.to(hidden.dtype)], dim=-1), weight, targets,
+                                        chunk_size)
+
+
 def adapt_linear(linear: nn.Linear, spec: LoRASpec) -> LoRALinear:
     """Gives `linear` (in place) fp32 adapters, left uninitialised: `init_adapters` fills them."""
     device = linear.weight.device
-    linear.__class__ = LoRALinear
+    linear.__class__ = LoRALMHead if isinstance(linear, LMHead) else LoRALinear
     linear.lora_A = nn.Linear(linear.in_features, spec.rank, bias=False, device=device, dtype=torch.float32)
     linear.lora_B = nn.Linear(spec.rank, linear.out_features, bias=False, device=device, dtype=torch.float32)
     linear.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
@@ -109,8 +128,38 @@ def adapt_linear(linear: nn.Linear, spec: LoRASpec) -> LoRALinear:
 def remove_linear_adapter(linear: LoRALinear) -> nn.Linear:
     for name in ("lora_A", "lora_B", "lora_dropout"):
         delattr(linear, name)
-    linear.__class__ = nn.Linear
+    linear.__class__ = LMHead if isinstance(linear, LoRALMHead) else nn.Linear
     return linear
+
+
+class EmbeddingLoRA(nn.Module):
+    """The embedding's adapter as PEFT makes it: the update of token t is `scaling * B A[:, t]`, with
+    `A` [r, vocab] and `B` [hidden, r]. A child module, so that FSDP shards it apart from a bf16 base."""
+
+    def __init__(self, embedding: nn.Embedding, spec: LoRASpec):
+        super().__init__()
+        device = embedding.weight.device
+        self.lora_embedding_A = nn.Parameter(torch.empty(spec.rank, embedding.num_embeddings, device=device))
+        self.lora_embedding_B = nn.Parameter(torch.empty(embedding.embedding_dim, spec.rank, device=device))
+        self.scaling = spec.scaling
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        low = F.embedding(ids, self.lora_embedding_A.t()) * self.scaling  # [..., r]: a lookup, no GEMM
+        return low @ self.lora_embedding_B.t()
+
+
+class LoRAEmbedding(nn.Embedding):
+    """An `nn.Embedding` with an `EmbeddingLoRA` child (`lora`); made by `adapt_embedding`."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = super().forward(ids)
+        return out + self.lora(ids).to(out.dtype)
+
+
+def adapt_embedding(embedding: nn.Embedding, spec: LoRASpec) -> LoRAEmbedding:
+    embedding.__class__ = LoRAEmbedding
+    embedding.lora = EmbeddingLoRA(embedding, spec)
+    return embedding
 
 
 class ExpertLoRA(nn.Module):
@@ -142,10 +191,11 @@ class ExpertAdapters(nn.ModuleDict):
 
 # ------------------------------------------------------------------------------- targets
 def candidates(model: nn.Module) -> list[str]:
-    """Every name a target pattern may match: linear projections and stacked routed-expert weights."""
+    """Every name a target pattern may match: linear projections (`lm_head` among them), the embedding
+    and stacked routed-expert weights."""
     names = []
     for name, module in model.named_modules():
-        if type(module) in (nn.Linear, LoRALinear):
+        if type(module) in (nn.Linear, LoRALinear, LMHead, LoRALMHead, nn.Embedding, LoRAEmbedding):
             names.append(name)
         elif isinstance(module, Experts):
             names += [f"{name}.{proj}" for proj in _EXPERT_PROJS]
@@ -159,17 +209,15 @@ def _generic(names: Iterable[str]) -> list[str]:
 
 def match_targets(model: nn.Module, patterns: Iterable[str]) -> list[str]:
     """The candidate names the glob `patterns` match; a pattern that matches nothing is an error naming
-    what it could have matched. `lm_head` and the embedding are not adapted (their loss and lookup
-    paths read the weight directly)."""
+    what it could have matched. The default patterns leave `lm_head` and the embedding out: they are
+    adapted only when a pattern names them."""
     names = candidates(model)
     found: list[str] = []
     for pattern in patterns:
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
-            unsupported = [n for n in ("lm_head", "model.embeddings") if fnmatch.fnmatchcase(n, pattern)]
-            why = f" ({unsupported[0]} cannot carry an adapter yet)" if unsupported else ""
             raise LoRAError(
-                f"peft.target_modules: pattern {pattern!r} matches no module{why}. Fix: use glob patterns over "
+                f"peft.target_modules: pattern {pattern!r} matches no module. Fix: use glob patterns over "
                 f"these names: {_generic(names)}."
             )
         found += [h for h in hits if h not in found]
@@ -185,6 +233,8 @@ def add_adapters(model: NemotronHForCausalLM, spec: LoRASpec) -> list[str]:
         module = model.get_submodule(name) if leaf not in _EXPERT_PROJS or not _is_experts(model, owner) else None
         if module is None:
             experts.setdefault(owner, []).append(leaf)
+        elif isinstance(module, nn.Embedding):
+            adapt_embedding(module, spec)
         else:
             adapt_linear(module, spec)
     for owner, projs in experts.items():
@@ -208,7 +258,7 @@ def adapter_modules(module: nn.Module) -> list[nn.Module]:
     def visit(name: str, m: nn.Module) -> None:
         if m is not module and isinstance(m, FSDPModule):
             return  # sharded already, on a mesh of its own (expert-parallel experts and their adapters)
-        if isinstance(m, ExpertLoRA) or (isinstance(m, nn.Linear) and name in ("lora_A", "lora_B")):
+        if isinstance(m, (ExpertLoRA, EmbeddingLoRA)) or (isinstance(m, nn.Linear) and name in ("lora_A", "lora_B")):
             found.append(m)
             return
         for child_name, child in m.named_children():
@@ -257,11 +307,14 @@ def set_full_values(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
 
 def initial_values(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """Full adapter tensors as PEFT initialises them: `A` uniform in +-1/sqrt(in) (nn.Linear's default),
-    `B` zero. Drawn in name order from `seed` alone, the same on every rank and mesh."""
+    `B` zero; an embedding's `A` zero and `B` standard normal. Drawn in name order from `seed` alone, the
+    same on every rank and mesh."""
     gen = torch.Generator().manual_seed(seed)
     values = {}
     for name, param in sorted(adapter_parameters(model).items()):
-        if name.endswith(("lora_A.weight", ".A")):
+        if name.endswith("lora_embedding_B"):
+            values[name] = torch.empty(param.shape).normal_(generator=gen)
+        elif name.endswith(("lora_A.weight", ".A")):
             bound = 1.0 / math.sqrt(param.shape[-1])
             values[name] = torch.empty(param.shape).uniform_(-bound, bound, generator=gen)
         else:
@@ -324,6 +377,7 @@ def adapter_styles(root: nn.Module, styles: dict[str, ParallelStyle]) -> dict[st
 
 # ------------------------------------------------------------------------------- PEFT format
 PEFT_PREFIX = "base_model.model."
+EMBEDDING_AND_HEAD = ("model.embeddings", "lm_head")
 
 
 def _mamba_out_proj(cfg: NemotronHConfig, name: str) -> bool:
@@ -360,7 +414,9 @@ def to_peft(cfg: NemotronHConfig, values: dict[str, torch.Tensor]) -> dict[str, 
         if m:
             experts.setdefault(m.group(1), []).append(m.group(2))
     for name, value in values.items():
-        if name.endswith((".lora_A.weight", ".lora_B.weight")):
+        if name.endswith(EMBEDDING_FACTORS):  # PEFT keeps them on the embedding itself
+            out[PEFT_PREFIX + name.replace(".lora.lora_embedding_", ".lora_embedding_")] = value.contiguous()
+        elif name.endswith((".lora_A.weight", ".lora_B.weight")):
             module = name.rsplit(".", 2)[0]
             if _mamba_out_proj(cfg, module):
                 continue
@@ -386,6 +442,12 @@ def from_peft(cfg: NemotronHConfig, tensors: dict[str, torch.Tensor], expert_pro
     expert_key = {}
     for key, value in tensors.items():
         name = key.removeprefix(PEFT_PREFIX)
+        if name.endswith(EMBEDDING_FACTORS):
+            module, _, factor = name.rpartition(".")
+            out[f"{module}.lora.{factor}"] = value
+            continue
+        if name.endswith(".base_layer.weight") and name.removesuffix(".base_layer.weight") in EMBEDDING_AND_HEAD:
+            continue  # PEFT saves a targeted embedding or lm_head whole (save_embedding_layers): the base's copy
         if name.endswith(".weight") and not name.endswith((".lora_A.weight", ".lora_B.weight")):
             raise LoRAError(f"adapter tensor {key!r} is not a LoRA factor (a saved module copy?); only LoRA "
                             "adapters load. Fix: save the adapter without modules_to_save.")
@@ -432,17 +494,29 @@ def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scalin
     return (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
 
 
+def merged_embedding(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """`W + scaling * (B A).T` for an embedding's [vocab, hidden] weight, as PEFT merges it."""
+    return (weight.float() + scaling * (b.float() @ a.float()).t()).to(weight.dtype)
+
+
 def merged_experts(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
     return (weight.float() + scaling * torch.bmm(b.float(), a.float())).to(weight.dtype)
 
 
-def lora_spec_problem(cfg: NemotronHConfig, rank, alpha, dropout, target_modules) -> str | None:
-    """What is wrong with these LoRA settings for a model of `cfg`, or None; checked on a model built
-    on the meta device, so before any process group or memory."""
+def lora_spec_problem(cfg: NemotronHConfig, rank, alpha, dropout, target_modules, tp: int = 1) -> str | None:
+    """What is wrong with these LoRA settings for a model of `cfg` on `tp` tensor-parallel ranks, or None;
+    checked on a model built on the meta device, so before any process group or memory."""
     try:
         spec = LoRASpec(rank, float(alpha), float(dropout), tuple(target_modules))
         with torch.device("meta"):
-            match_targets(NemotronHForCausalLM(cfg), spec.target_modules)
+            model = NemotronHForCausalLM(cfg)
+        targets = match_targets(model, spec.target_modules)
     except LoRAError as e:
         return str(e)
+    embeddings = {name for name, module in model.named_modules() if isinstance(module, nn.Embedding)}
+    embedding = [t for t in targets if t in embeddings]
+    if embedding and tp > 1:
+        return (f"peft.target_modules={list(target_modules)} adapts the embedding ({embedding[0]}), which tensor "
+                f"parallel shards by vocabulary; mesh.tp={tp}: an adapted embedding runs on tp=1 only. Fix: drop its "
+                "pattern, or set mesh.tp=1.")
     return None

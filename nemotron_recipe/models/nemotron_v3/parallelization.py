@@ -332,7 +332,7 @@ def apply_tensor_parallel(model, blocks, tp_mesh, plan, sequence_parallel) -> No
             heads = _config_value(model.config, "num_attention_heads")
             block.mixer.num_key_value_groups = (heads // tp) // max(kv_heads // tp, 1)
     model_styles = model_plan(model, native=native, sequence_parallel=sequence_parallel, plan=plan)
-    parallelize_module(model, tp_mesh, model_styles)
+    parallelize_module(model, tp_mesh, adapter_styles(model, model_styles))  # an adapted lm_head
     logger.info(
         "tensor parallel: plan %r over %d ranks%s%s", plan, tp, ", sequence parallel" if sequence_parallel else "",
         f", each of {kv_heads} key/value heads on {tp // kv_heads} ranks" if key_value else "",
@@ -466,6 +466,9 @@ def apply_fsdp(model, blocks, dp_mesh, mp_policy, offload_policy, reshard_after_
     if head.weight is embedding.weight:
         logger.info("tied embedding and head: one unit, the root's")
     else:
+        for module in (embedding, head):  # adapters there when target_modules names them
+            shard_adapters(module, mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
+                           offload_policy=offload_policy or OffloadPolicy(), reshard_after_forward=reshard)
         shard_by_dtype(embedding, reshard_after_forward=reshard, **common)
         # Backward needs the head's weight right after forward: keep it gathered unless told otherwise.
         shard_by_dtype(head, reshard_after_forward=bool(reshard_after_forward), **common)

@@ -106,10 +106,9 @@ def ep_bytes(config: NemotronHConfig, plan: ParallelPlan, work: Workload) -> flo
     """Bytes one rank sends in expert parallel's all-to-alls for one micro-batch."""
     if plan.ep == 1:
         return 0.0
-    tokens = work.micro_batch * work.seq_len // plan.cp
-    if plan.sequence_parallel:
-        tokens //= plan.tp  # each tp rank routes its own part of the sequence
-    rows = tokens * config.num_experts_per_tok
+    # MoE blocks are whole on every tp rank, and sequence parallel gathers their input: each tp rank
+    # routes every token of its cp part.
+    rows = work.micro_batch * work.seq_len // plan.cp * config.num_experts_per_tok
     kept = even_split(rows, plan.ep)[0]  # rank 0's own experts' share stays on the rank
     width = config.moe_latent_size or config.hidden_size
     return _moe_exchanges(config, plan) * (rows - kept) * width * _bytes(plan.param_dtype)
