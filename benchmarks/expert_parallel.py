@@ -1,7 +1,7 @@
 """Expert parallel against the same mesh without it, on an MoE-heavy model, in the same run.
 
     torchrun --standalone --nproc-per-node 2 -m benchmarks.expert_parallel
-    torchrun --standalone --nproc-per-node 4 -m benchmarks.expert_parallel --ep 2 --mesh tp=2
+    torchrun --standalone --nproc-per-node 4 -m benchmarks.expert_parallel --ep 2 --mesh tp=2,sequence_parallel=true
 
 Both copies hold the same weights and train on the same batch (forward, backward, AdamW), steps
 interleaved (ep, none, ep, ...) after warmup; each reports its median step time. Per rank it prints
@@ -60,12 +60,16 @@ def expert_bytes(model: torch.nn.Module) -> tuple[int, int]:
     return stored, gathered
 
 
-def moved_bytes(model: torch.nn.Module, tokens: int, args: argparse.Namespace, ep: int, fsdp_ranks: int) -> int:
+def moved_bytes(model: torch.nn.Module, tokens: int, args: argparse.Namespace, ep: int, fsdp_ranks: int,
+                tp_replicas: int) -> int:
     """Expert bytes this rank sends per step: all-gathers (forward, backward) and the gradients'
     reduce-scatter of the experts it computes with, plus the all-to-alls of rows with ep (each row
-    leaves for another rank with probability (ep - 1) / ep, there and back, in forward and backward)."""
+    leaves for another rank with probability (ep - 1) / ep, there and back, in forward and backward).
+    `tokens`: the tokens this rank routes; with sequence parallel the `tp_replicas` tp ranks route
+    different ones, and the reduce-scattered gradient shard is all-reduced over them too."""
     _, gathered = expert_bytes(model)
     fsdp = 3 * gathered * (fsdp_ranks - 1) // fsdp_ranks
+    fsdp += 2 * gathered // fsdp_ranks * (tp_replicas - 1) // tp_replicas
     blocks = args.pattern.count("E")
     rows = tokens * args.top_k * blocks
     element = 4 if args.dtype == "fp32" else 2
@@ -123,7 +127,9 @@ def main(argv: list[str] | None = None) -> None:
             memory = step_memory(lambda: step(model, optimizer), model, device, optimizer)
             stored, gathered = expert_bytes(model)
             fsdp_ranks = plan.dp_shard * plan.cp // ep
-            moved = moved_bytes(model, args.batch * args.seq_len // plan.cp, args, ep, fsdp_ranks)
+            tp_replicas = plan.tp if plan.sequence_parallel else 1  # tp ranks that route different tokens
+            moved = moved_bytes(model, args.batch * args.seq_len // plan.cp // tp_replicas, args, ep, fsdp_ranks,
+                                tp_replicas)
             stats = torch.tensor([statistics.median(times[ep]), stored, gathered, memory["peak"] or 0, moved],
                                  dtype=torch.float64)
             dist.all_reduce(stats, op=dist.ReduceOp.MAX)

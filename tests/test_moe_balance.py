@@ -18,6 +18,7 @@ import wandb
 
 from nemotron_recipe.config import ConfigError, validate_config
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.models.nemotron_v3.model import sequence_balance_loss
 from nemotron_recipe.training import logging as logging_module
 from nemotron_recipe.training.finetune import run
 from nemotron_recipe.training.hf_io import load_checkpoint_model
@@ -59,6 +60,71 @@ def test_a_step_not_taken_leaves_the_bias_and_rate_zero_only_measures():
         assert all(not b.gate.e_score_correction_bias.any() for b in balance.blocks)
 
 
+def _balance_loss_by_definition(scores, idx, mask) -> float:
+    """DeepSeek-V3's L = sum_i f_i P_i of each sequence, summed over the sequences, one token at a time."""
+    rows, t, experts = scores.shape
+    total = 0.0
+    for r in range(rows):
+        real = [j for j in range(t) if mask[r, j]]
+        if not real:
+            continue
+        for i in range(experts):
+            f = experts / (idx.shape[-1] * len(real)) * sum(int(i in idx[r, j].tolist()) for j in real)
+            p = sum((scores[r, j, i] / scores[r, j].sum()).item() for j in real) / len(real)
+            total += f * p
+    return total
+
+
+def test_sequence_balance_loss_matches_its_definition_and_leaves_padding_out():
+    g = torch.Generator().manual_seed(0)
+    rows, t, experts, k = 3, 7, 6, 2
+    scores = torch.rand(rows, t, experts, generator=g, dtype=torch.float64)
+    idx = scores.topk(k, dim=-1).indices
+    mask = torch.ones(rows, t, dtype=torch.bool)
+    mask[0, 4:] = False  # padding trails the real tokens
+    mask[2, :] = False  # a row of padding only adds nothing
+    got = sequence_balance_loss(scores.flatten(0, 1), idx.flatten(0, 1), rows, mask, None)
+    assert got.item() == pytest.approx(_balance_loss_by_definition(scores, idx, mask), rel=1e-12)
+    # Perfectly balanced routing with uniform scores has loss 1 per sequence.
+    uniform = torch.full((4 * experts, experts), 0.5, dtype=torch.float64)
+    cyclic = torch.stack([torch.arange(4 * experts) % experts, (torch.arange(4 * experts) + 1) % experts], -1)
+    assert sequence_balance_loss(uniform, cyclic, 4, None, None).item() == pytest.approx(4.0)
+
+
+def test_the_balance_loss_reaches_the_gradients_with_its_weight():
+    """A training forward with `balance_loss_weight` w back-propagates main loss + w * (the blocks'
+    balance losses): the same gradients as adding that sum to the loss by hand."""
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    weight, grads = 0.3, []
+    for by_hand in (False, True):
+        model = _model()
+        routes = []
+        for block in RouterBalance(model, None, 0.0).blocks:
+            block.balance_loss_weight = 0.0 if by_hand else weight
+            block.gate.register_forward_hook(lambda module, args, out: routes.append(out))
+        loss = model(ids, labels=ids).loss
+        if by_hand:
+            loss = loss + weight * sum(sequence_balance_loss(s, i, 2, None, None) for s, _, i in routes)
+        loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grad, grads[1][name], rtol=1e-5, atol=1e-7, msg=name)
+    assert grads[0]["model.layers.0.mixer.gate.weight"].abs().sum() > 0
+
+
+def test_balance_loss_metric_is_the_weighted_sum_over_blocks_and_steps_micro_batches():
+    model = _model()
+    balance = RouterBalance(model, None, 0.0, aux_loss_coeff=0.01, sequences_per_step=4)
+    assert [b.balance_loss_weight for b in balance.blocks] == [0.0025, 0.0025] and balance.needs_token_mask
+    for parts in ((1.0, 2.0), (3.0, 4.0)):
+        for block, part in zip(balance.blocks, parts):
+            block.experts.tokens_per_expert = torch.tensor([1, 1, 1, 1])
+            block.balance_loss = torch.tensor(part)
+        balance.after_micro_batch()
+    assert balance.after_step(taken=True)["moe_aux_loss"] == pytest.approx(10.0 * 0.0025)
+    assert not RouterBalance(NemotronHForCausalLM(NemotronHConfig(pattern="M*")), None, 0.0).needs_token_mask
+
+
 def test_a_model_without_moe_blocks_has_nothing_to_balance():
     model = NemotronHForCausalLM(NemotronHConfig(pattern="M*-"))
     balance = RouterBalance(model, token_group=None, bias_update_rate=0.1)
@@ -78,11 +144,11 @@ def _biases(checkpoint: Path) -> torch.Tensor:
     return torch.stack([b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")])
 
 
-def expert_parallel_run(run_dir: Path, *overrides: str) -> None:
-    """The recipe at ep 2 on 2 ranks, writing to `run_dir`."""
+def expert_parallel_run(run_dir: Path, *overrides: str, mesh: tuple[str, ...] = ("mesh.ep=2",)) -> None:
+    """The recipe on 2 ranks (at ep 2 unless `mesh` says otherwise), writing to `run_dir`."""
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-         "recipes.finetune", *RUN_BASE, *overrides, "mesh.ep=2", f"hydra.run.dir={run_dir}"],
+         "recipes.finetune", *RUN_BASE, *overrides, *mesh, f"hydra.run.dir={run_dir}"],
         cwd=run_dir.parent, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -118,7 +184,8 @@ def test_bias_updates_bring_a_skewed_load_down(tmp_path):
 def test_expert_parallel_run_matches_one_process_and_resumes_on_one(tmp_path):
     """10 steps at ep 2 on 2 ranks, then 10 more resumed on one process, against 20 straight steps on
     one process: the same losses, gradient norms and correction biases."""
-    common = [*SHORT, "trainer.max_steps=20", "checkpoint.every=10", "moe.bias_update_rate=0.01"]
+    # Routing is discrete: a rate whose bias steps leave no expert pair within rounding of a tie here.
+    common = [*SHORT, "trainer.max_steps=20", "checkpoint.every=10", "moe.bias_update_rate=0.02"]
     run(compose_run(tmp_path / "straight", *common))
     split = tmp_path / "split"
     expert_parallel_run(split, *common, "trainer.stop_at_step=10")
@@ -136,6 +203,23 @@ def test_expert_parallel_run_matches_one_process_and_resumes_on_one(tmp_path):
         biases = _biases(split / "checkpoints" / step)
         assert biases.abs().max() > 0  # the update ran
         torch.testing.assert_close(biases, _biases(tmp_path / "straight" / "checkpoints" / step), rtol=0, atol=1e-6)
+
+
+@pytest.mark.distributed
+def test_balance_loss_and_bias_updates_under_sequence_parallel_match_one_process(tmp_path):
+    """tp 2 + sequence parallel, where each tp rank routes its own sequence shard: 5 steps with the
+    balance loss and bias updates on padded batches give one process's losses, balance losses and biases."""
+    common = [*SHORT, "trainer.max_steps=5", "checkpoint.every=5", "moe.bias_update_rate=0.01",
+              "moe.aux_loss_coeff=0.1"]
+    run(compose_run(tmp_path / "one", *common))
+    expert_parallel_run(tmp_path / "tp2", *common, mesh=("mesh.tp=2", "mesh.sequence_parallel=true"))
+    got, want = _rows(tmp_path / "tp2"), _rows(tmp_path / "one")
+    assert all(r["moe_aux_loss"] > 0 for r in want)
+    for key in ("loss", "moe_aux_loss", "moe_load_imbalance"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5), key
+    biases = _biases(tmp_path / "tp2" / "checkpoints" / "step_000005")
+    assert biases.abs().max() > 0
+    torch.testing.assert_close(biases, _biases(tmp_path / "one" / "checkpoints" / "step_000005"), rtol=0, atol=1e-6)
 
 
 def test_a_frozen_router_keeps_its_weight_and_bias_while_the_experts_train(tmp_path):

@@ -73,6 +73,9 @@ TWO_RANK_CASES = [
     "1,2,1,1,0,full,fp32,moe,ep2",
     "1,1,2,1,0,none,fp32,moe,ep2",  # expert parallel 2 over cp
     "1,2,1,1,0,none,fp32,moe,ep2,mean",  # FSDP's averaging: the experts divide by every data-parallel rank too
+    "1,1,1,2,1,full,fp32,moe_grouped",  # TP 2 + SP: each tp rank routes its sequence shard
+    "1,1,2,1,0,none,fp32,moe_aux",  # CP 2 with the sequence-wise balance loss: sequences split over ranks
+    "1,1,1,2,1,none,fp32,moe,ep1,mean",  # TP 2 + SP under FSDP's averaging: MoE gradients sum over tp
 ]
 FOUR_RANK_CASES = [
     "1,2,1,2,0,none,fp32",  # FSDP 2 x TP 2
@@ -88,6 +91,7 @@ FOUR_RANK_CASES = [
     "1,1,4,1,0,none,fp32,groups2",  # CP 4 over 2 Mamba groups: each group split in two
     "1,1,2,2,0,none,fp32,groups2",  # CP 2 x TP 2 over 2 Mamba groups: 1 group per tp rank, split in two
     "1,2,1,2,1,none,fp32,moe,ep2",  # EP 2 x TP 2 + SP
+    "1,2,1,2,1,blocks,fp32,moe_aux,ep2",  # ... with the balance loss and recompute
     "1,2,2,1,0,blocks,fp32,moe_grouped,ep2",  # EP 2 x CP 2: each expert FSDP-sharded over 2 ranks
     "2,2,1,1,0,none,fp32,moe,ep2",  # EP 2 inside HSDP 2 x 2
     "1,4,1,1,0,none,fp32,moe,ep4",
@@ -128,6 +132,16 @@ def test_tensor_parallel_shards_every_dense_block(two_rank, four_rank):
                 assert fraction <= 0.55, f"block {block} keeps {fraction:.0%} of its parameters per rank"
     hf = four_rank["1,2,1,2,0,none,fp32,hf"]["tp_held_fraction"]
     assert all(f <= 0.55 for b, f in hf.items() if b.endswith("mlp"))
+
+
+@pytest.mark.distributed
+def test_moe_blocks_route_each_tp_ranks_sequence_shard(two_rank, four_rank):
+    """With sequence parallel each tp rank routes only its part of the sequence (no gather); without, all."""
+    results = two_rank | four_rank
+    for case in ("1,1,1,2,1,none,fp32", "1,1,1,2,1,full,fp32,moe_grouped", "1,2,1,2,1,none,fp32,moe,ep2"):
+        assert results[case]["moe_token_share"] == 0.5, case
+    for case in ("1,1,1,2,0,none,fp32", "1,2,1,2,0,none,fp32", "1,2,1,1,0,none,fp32,moe,ep2"):
+        assert results[case]["moe_token_share"] == 1.0, case
 
 
 @pytest.mark.distributed

@@ -47,3 +47,15 @@ def data_parallel_mesh(
     if replicate is None or replicate.size() == 1:
         return shard
     return DeviceMesh._concatenate([replicate, shard])
+
+
+def replicated_over(fsdp_mesh: DeviceMesh, extra: DeviceMesh, name: str) -> DeviceMesh:
+    """`fsdp_mesh` (FSDP's 1-D shard mesh or 2-D (replicate, shard) HSDP mesh) with the ranks of `extra`
+    added to its replicate dim (flattened as `name`): parameters stay sharded as before, and their
+    gradients are reduced over `extra`'s ranks too. For modules whose ranks along `extra` (e.g. tp under
+    sequence parallel) compute on different tokens with whole copies of the weights."""
+    if fsdp_mesh.ndim == 1:
+        return DeviceMesh._concatenate([extra, fsdp_mesh])
+    replicate_name, shard_name = fsdp_mesh.mesh_dim_names
+    replicate = DeviceMesh._concatenate([fsdp_mesh[replicate_name], extra])._flatten(name)
+    return DeviceMesh._concatenate([replicate, fsdp_mesh[shard_name]])

@@ -160,7 +160,9 @@ class StepResult:
     grad_norm: torch.Tensor  # the total gradient norm, before clipping
     skipped: bool = False  # not taken: its loss or gradient norm was not finite (trainer.nonfinite=skip)
     mtp_loss_sum: torch.Tensor | None = None  # this rank's MTP loss sum, when MTP layers are trained
-    moe_load_imbalance: float | None = None  # busiest expert / mean over the global batch, worst MoE block
+    # Router health over the global batch: moe_load_imbalance (busiest expert / mean, worst MoE block)
+    # and moe_aux_loss (the balance-loss term, when trained).
+    moe: dict[str, float] | None = None
     expert_load: list[list[int]] | None = None  # rows per expert over the global batch, per MoE block
 
 
@@ -334,7 +336,8 @@ class Trainer:
         self.end_step = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
         self.stop = StopConditions(max_minutes=t.max_minutes, started=self.started, device=self.env.device)
         self.guard = NonFiniteGuard(t.nonfinite, t.max_skipped_steps, self.env.device)
-        self.balance = RouterBalance(self.model, self.layout.token_group, cfg.moe.bias_update_rate)
+        self.balance = RouterBalance(self.model, self.layout.moe_token_group, cfg.moe.bias_update_rate,
+                                     cfg.moe.aux_loss_coeff, sequences_per_step=t.global_batch_size)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, Any]:
@@ -403,7 +406,8 @@ class Trainer:
         moe = self.balance.after_step(taken=finite) if self.balance else {}
         return StepResult(loss_sum=loss_sum, trained_tokens=trained_tokens, lr=lr, grad_norm=grad_norm,
                           skipped=not finite, mtp_loss_sum=mtp_loss_sum,
-                          moe_load_imbalance=moe.get("moe_load_imbalance"), expert_load=moe.get("expert_load"))
+                          moe={k: v for k, v in moe.items() if k != "expert_load"} or None,
+                          expert_load=moe.get("expert_load"))
 
     def _last_good_checkpoint(self) -> Path | None:
         """The newest checkpoint this run saved or resumed from: every one of them is finite."""
@@ -416,6 +420,9 @@ class Trainer:
         if self.mtp_depths:  # shifted before the sequence is split: a cp rank lacks the tokens after its own
             batch["mtp_input_ids"], batch["mtp_targets"] = shift_for_mtp(
                 batch["input_ids"], batch["targets"], self.mtp_depths, batch.get("document_ids"), self.pad_id)
+        if self.balance.needs_token_mask:  # the MoE balance loss leaves padding out
+            lengths = torch.tensor([len(self.data.train.input_ids[i]) for i in indices])
+            batch["token_mask"] = torch.arange(batch["input_ids"].shape[1]) < lengths[:, None]
         return {k: self.layout.shard(v) for k, v in batch.items()}
 
     def _mtp_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -443,6 +450,7 @@ class Trainer:
             document_ids=None if docs is None else docs.to(device),
             loss_chunk_size=self.cfg.trainer.loss_chunk_size, backward_denominator=denominator,
             mtp=self._mtp_inputs(batch), mtp_loss_scale=self.mtp_loss_scale,
+            token_mask=batch["token_mask"].to(device) if "token_mask" in batch else None,
         )
         mtp = None if sums.mtp_loss_sum is None else local_value(sums.mtp_loss_sum.detach()).float()
         return local_value(sums.loss_sum.detach()).float(), mtp
@@ -457,7 +465,7 @@ class Trainer:
             mtp_loss = None if result.mtp_loss_sum is None else losses[1].item()
             self.metrics.log(self.step, loss=losses.flatten()[0].item(), lr=result.lr,
                              grad_norm=result.grad_norm.item(), skipped=result.skipped, mtp_loss=mtp_loss,
-                             moe_load_imbalance=result.moe_load_imbalance)
+                             moe=result.moe)
             if result.expert_load is not None:
                 self.writer.log_expert_loads(self.step, result.expert_load)
         self.writer.advance()

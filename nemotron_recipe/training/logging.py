@@ -164,12 +164,13 @@ class TrainMetrics:
 
     def log(
         self, step: int, *, loss: float, lr: float, grad_norm: float, skipped: bool = False,
-        mtp_loss: float | None = None, moe_load_imbalance: float | None = None,
+        mtp_loss: float | None = None, moe: dict[str, float] | None = None,
     ) -> None:
         """The row of `step`; its throughput covers the steps since the previous row. A step that was
         not taken (non-finite, `trainer.nonfinite=skip`) is marked `"skipped": true`. `mtp_loss`: the
         MTP layers' loss (per trained token, averaged over depths, unscaled), when they are trained;
-        `moe_load_imbalance`: the step's busiest-expert load over the mean, worst MoE block."""
+        `moe`: router health (`moe_balance.RouterBalance`): `moe_load_imbalance`, the step's busiest-expert
+        load over the mean, worst MoE block, and `moe_aux_loss`, the balance-loss term, when trained."""
         if not skipped:  # the summary's final loss is that of a step that was taken
             self.last_loss = loss
         now = time.perf_counter()
@@ -180,7 +181,7 @@ class TrainMetrics:
             **({"mtp_loss": mtp_loss} if mtp_loss is not None else {}),
             "lr": lr,
             "grad_norm": grad_norm,
-            **({"moe_load_imbalance": moe_load_imbalance} if moe_load_imbalance is not None else {}),
+            **(moe or {}),
             "tokens_per_s": self.window_steps * self.tokens_per_step / window_s,
             "trained_tokens_per_s": self.window_trained / window_s,
             "elapsed_s": now - self.started,

@@ -67,6 +67,7 @@ def forward_loss_sums(
     backward_denominator: float | None = None,
     mtp: tuple[torch.Tensor, torch.Tensor] | None = None,
     mtp_loss_scale: float = 0.0,
+    token_mask: torch.Tensor | None = None,
 ) -> LossSums:
     """One micro-batch's losses; with `backward_denominator`, also back-propagates
     (loss_sum + mtp_loss_scale * mtp_loss_sum) / backward_denominator.
@@ -75,8 +76,11 @@ def forward_loss_sums(
     without full logits. A model whose head is tensor-parallel returns vocab-sharded logits instead,
     and the loss then takes the plain path. `mtp`: the MTP layers' (input ids, targets), each
     [b, l, depths], shifted from the whole sequences (`models.nemotron_v3.mtp.shift_for_mtp`).
+    `token_mask` (false at padding), for models with MoE balance losses.
     """
     kwargs = {} if document_ids is None else {"document_ids": document_ids}
+    if token_mask is not None:
+        kwargs["token_mask"] = token_mask
     if loss_chunk_size:
         kwargs.update(targets=targets, loss_chunk_size=loss_chunk_size)
     if mtp is not None:

@@ -34,14 +34,16 @@ class DataLayout:
 
     `dp_rank`/`dp_size`: the data-parallel position (cp and tp ranks of one dp group read the same
     samples). `token_group`: every rank that holds different tokens (dp x cp), over which token
-    counts and loss sums add up. `cp`: this rank's context-parallel group, which takes a zig-zag
-    part of every sequence, or None.
+    counts and loss sums add up. `moe_token_group`: every rank whose MoE blocks route different tokens,
+    which under sequence parallel are the tp ranks too. `cp`: this rank's context-parallel group, which
+    takes a zig-zag part of every sequence, or None.
     """
 
     dp_rank: int
     dp_size: int
     token_group: Any
     cp: Any
+    moe_token_group: Any = None
 
     def shard(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of a [batch, seq] tensor along the sequence."""
@@ -52,4 +54,8 @@ def data_layout(plan: ParallelPlan, meshes: ParallelMeshes) -> DataLayout:
     cp = None
     if plan.cp > 1:
         cp = ContextParallel(meshes.cp.get_group(), meshes.cp.get_local_rank(), plan.cp)
-    return DataLayout(meshes.dp.get_local_rank(), plan.dp_size, meshes.dp_cp.get_group(), cp)
+    token_group = meshes.dp_cp.get_group()
+    # Every dim but tp reads different tokens; with sequence parallel the tp ranks route their own shard.
+    moe_token_group = meshes.root._flatten("world").get_group() if plan.sequence_parallel and plan.tp > 1 \
+        else token_group
+    return DataLayout(meshes.dp.get_local_rank(), plan.dp_size, token_group, cp, moe_token_group)

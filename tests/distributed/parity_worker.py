@@ -42,8 +42,10 @@ CFG = NemotronHConfig(
 MOE_CFG = dataclasses.replace(CFG, pattern="EM*E-E", n_routed_experts=8, n_group=1, topk_group=1)
 NATIVE_CONFIGS = {
     "native": CFG, "groups2": dataclasses.replace(CFG, n_groups=2),
-    "moe": MOE_CFG, "moe_grouped": dataclasses.replace(MOE_CFG, n_group=4, topk_group=2),
+    "moe": MOE_CFG, "moe_grouped": dataclasses.replace(MOE_CFG, n_group=4, topk_group=2), "moe_aux": MOE_CFG,
 }
+# "moe_aux" trains with the sequence-wise balance loss at this weight (large, so a wrong gradient shows).
+AUX_LOSS_WEIGHT = 0.05
 
 
 def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +65,12 @@ def build_model(name: str):
 
         hf_cfg = transformers.NemotronHConfig(**{**CFG.to_hf_dict(), "use_mamba_kernels": False})
         return transformers.NemotronHForCausalLM(hf_cfg).float()
-    return NemotronHForCausalLM(NATIVE_CONFIGS[name])
+    model = NemotronHForCausalLM(NATIVE_CONFIGS[name])
+    if name == "moe_aux":
+        for module in model.modules():
+            if hasattr(module, "balance_loss_weight"):
+                module.balance_loss_weight = AUX_LOSS_WEIGHT
+    return model
 
 
 def count_split_group_scans(counter: list[int]) -> None:
@@ -97,6 +104,16 @@ def tp_fraction(p: torch.Tensor, tp: int) -> float:
 
 def local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+
+
+def moe_token_share(model, tokens: int) -> float | None:
+    """Rows this rank's MoE blocks routed in the last forward over top_k x the rank's tokens: 1 where
+    every rank of a tp group routes its whole sequence, 1/tp where each routes its sequence shard."""
+    experts = [m for m in model.modules() if hasattr(m, "tokens_per_expert")]
+    if not experts:
+        return None
+    rows = sum(m.tokens_per_expert.sum().item() for m in experts)
+    return rows / (len(experts) * model.config.num_experts_per_tok * tokens)
 
 
 def train(model, ids, targets, *, dp_rank=0, dp_size=1, dp_group=None, cp=None, loss_scale=1.0):
@@ -187,7 +204,8 @@ def main() -> None:
             results[case] = {"logits_rel_err": logits_err.item(), "losses": losses, "ref_losses": ref_losses, "grad_rel_err": errs,
                              "missing_grads": sorted(set(ref_grads) - set(grads)), "tp_held_fraction": held,
                              "split_group_scans": split_scans.item(),
-                             "expert_elements": [expert_elements.item(), sum(p.numel() for p in experts)]}
+                             "expert_elements": [expert_elements.item(), sum(p.numel() for p in experts)],
+                             "moe_token_share": moe_token_share(model, per_rank * ids.shape[2] // plan.cp)}
         dist.barrier()
     write_and_finish(out_path, results)
 

@@ -220,8 +220,8 @@ class Router(_KeepFP32, nn.Module):
         self.weight = nn.Parameter(torch.empty(config.n_routed_experts, config.hidden_size, dtype=torch.float32))
         self.register_buffer("e_score_correction_bias", torch.zeros(config.n_routed_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [t, d] -> (weights [t, k] fp32, expert indices [t, k])."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [t, d] -> (every expert's score [t, E], weights [t, k] fp32, expert indices [t, k])."""
         scores = F.linear(x.float(), local(self.weight).float()).sigmoid()
         biased = scores + local(self.e_score_correction_bias)
         if self.n_group > 1:
@@ -234,7 +234,46 @@ class Router(_KeepFP32, nn.Module):
         weights = scores.gather(1, idx)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, idx
+        return scores, weights * self.scaling, idx
+
+
+def sequence_balance_loss(scores: torch.Tensor, idx: torch.Tensor, rows: int, token_mask: torch.Tensor | None,
+                          sequence_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss sum_i f_i P_i, summed over the `rows` sequences whose
+    tokens `scores` [rows * t, E] and `idx` [rows * t, k] hold (before the coefficient and the mean
+    over sequences). f_i = E / (k T) * (tokens routed to expert i), P_i = mean over the T tokens of
+    expert i's share of the token's scores; `token_mask` [rows, t] leaves padding out.
+
+    `sequence_group`: the ranks holding the other parts of the same sequences (context parallel,
+    sequence-parallel tp). f and T count the whole sequence (summed over the group, no gradient); P
+    sums this rank's tokens only, so the group's results add up to the loss, and so do their gradients."""
+    experts, k = scores.shape[-1], idx.shape[-1]
+    mask = (torch.ones(rows, scores.shape[0] // rows, device=scores.device) if token_mask is None
+            else token_mask.reshape(rows, -1).to(scores.dtype))
+    shares = (scores / scores.sum(-1, keepdim=True)).view(rows, -1, experts)
+    share_sums = (shares * mask[..., None]).sum(1)  # [rows, E]
+    with torch.no_grad():
+        chosen = torch.zeros_like(scores).scatter_(1, idx, 1.0).view(rows, -1, experts)
+        stats = torch.cat([(chosen * mask[..., None]).sum(1), mask.sum(1, keepdim=True)], dim=-1)
+        if sequence_group is not None:
+            dist.all_reduce(stats, group=sequence_group)
+        tokens = stats[:, experts:].clamp_min(1)
+        fraction = stats[:, :experts] * experts / (k * tokens)
+    return (fraction * share_sums / tokens).sum()
+
+
+class _AddLossGradient(torch.autograd.Function):
+    """Returns `out` unchanged; backward also sends `weight` as the gradient of `loss`, so a block adds
+    `weight * loss` to the objective without the loss travelling through the model's return value."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight, ctx.dtype, ctx.device = weight, loss.dtype, loss.device
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.weight, dtype=ctx.dtype, device=ctx.device), None
 
 
 def _grouped_mm_supported(rows: torch.Tensor, up: torch.Tensor) -> bool:
@@ -325,6 +364,12 @@ class MoE(nn.Module):
         super().__init__()
         self.gate = Router(config)
         self.experts = Experts(config)
+        # The sequence-wise balance loss: the trainer sets its weight (coefficient / sequences per step)
+        # and reads `balance_loss`, this rank's part of it in the last forward; the parallelizer sets
+        # `sequence_group` where a sequence's tokens are split over ranks.
+        self.balance_loss_weight = 0.0
+        self.balance_loss: torch.Tensor | None = None
+        self.sequence_group: dist.ProcessGroup | None = None
         self.shared_experts = MLP(config.hidden_size, config.moe_shared_expert_intermediate_size, config.mlp_bias)
         self.latent = config.moe_latent_size is not None
         if self.latent:
@@ -332,14 +377,24 @@ class MoE(nn.Module):
             self.fc1_latent_proj = nn.Linear(d, latent, bias=config.mlp_bias)
             self.fc2_latent_proj = nn.Linear(latent, d, bias=config.mlp_bias)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [b, t, d]; `token_mask` [b, t] (real tokens true, padding false) keeps padding out of
+        the expert loads and the balance loss; every token is computed either way."""
         tokens = hidden.flatten(0, -2)
-        weights, idx = self.gate(tokens)
+        scores, weights, idx = self.gate(tokens)
         if self.latent:
             routed = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(tokens), weights, idx))
         else:
             routed = self.experts(tokens, weights, idx)
-        return routed.view_as(hidden) + self.shared_experts(hidden)
+        out = routed.view_as(hidden) + self.shared_experts(hidden)
+        if token_mask is not None:  # the loads balancing reads count real tokens only, as on any mesh
+            real = token_mask.reshape(-1, 1).expand_as(idx).flatten().long()
+            self.experts.tokens_per_expert.zero_().scatter_add_(0, idx.flatten(), real)
+        if self.balance_loss_weight and self.training and torch.is_grad_enabled():
+            loss = sequence_balance_loss(scores, idx, hidden.shape[0], token_mask, self.sequence_group)
+            self.balance_loss = loss.detach()
+            out = _AddLossGradient.apply(out, loss, self.balance_loss_weight)
+        return out
 
 
 _MIXERS = {"mamba": Mamba2Mixer, "attention": Attention, "moe": MoE}
@@ -355,9 +410,12 @@ class Block(nn.Module):
         else:
             self.mixer = _MIXERS[block_type](config)
 
-    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None,
+                token_mask: torch.Tensor | None = None) -> torch.Tensor:
         if self.block_type in ("mamba", "attention"):
             return x + self.mixer(self.norm(x), document_ids=document_ids)
+        if self.block_type == "moe" and token_mask is not None:
+            return x + self.mixer(self.norm(x), token_mask=token_mask)
         return x + self.mixer(self.norm(x))  # per-token mixers need no document boundaries
 
 
@@ -368,10 +426,11 @@ class NemotronHModel(nn.Module):
         self.layers = nn.ModuleList(Block(config, kind) for kind in config.block_types)
         self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
 
-    def forward(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None,
+                token_mask: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embeddings(input_ids)
         for block in self.layers:
-            h = block(h, document_ids=document_ids)
+            h = block(h, document_ids=document_ids, token_mask=token_mask)
         return self.norm_f(h)
 
 
@@ -428,6 +487,7 @@ class NemotronHForCausalLM(nn.Module):
         loss_chunk_size: int = 0,
         mtp_input_ids: torch.Tensor | None = None,
         mtp_targets: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
     ) -> CausalLMOutput:
         """`labels` as in Hugging Face: aligned with `input_ids`, shifted here, -100 ignored.
         `document_ids` [b,l] marks packed documents, which then never see each other.
@@ -440,8 +500,9 @@ class NemotronHForCausalLM(nn.Module):
         `targets` also runs them: the output's `mtp_loss_sum`, and with `labels` a loss of
         main + mtp_loss_scale * mtp_loss_sum / (main's trained tokens). `mtp_input_ids` and
         `mtp_targets` [b, l, depths] (`mtp.shift_for_mtp` of the whole sequences) are required when
-        the sequence is split over context-parallel ranks; otherwise they are made here."""
-        hidden = self.model(input_ids, document_ids)
+        the sequence is split over context-parallel ranks; otherwise they are made here.
+        `token_mask` [b, l] (false at padding) keeps padding out of the MoE balance loss."""
+        hidden = self.model(input_ids, document_ids, token_mask)
         if labels is not None and targets is None and self._runs_mtp():
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)
         mtp_loss_sum = None

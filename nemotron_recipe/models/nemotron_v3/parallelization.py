@@ -19,10 +19,12 @@ block kind of the native model:
   row split gives each rank its own z, x, B, C and dt slices; `A_log`/`D`/`dt_bias` and the gated
   norm weight are split the same way, and `out_proj` is rowwise. Groups never straddle ranks, so
   the gated norm needs no collective;
-- MoE blocks stay replicated across tp ranks (with sequence parallel they gather the sequence
-  and hand back their own shard); expert parallel (a `moe_mesh` with an `ep` dim) splits their routed
-  experts by expert instead, and rows travel to their experts' ranks (distributed/expert_parallel.py);
-  each rank's experts are FSDP units of their own over the `ep_shard` ranks;
+- MoE blocks stay whole on every tp rank. They are per-token, so with sequence parallel each tp rank
+  routes its own sequence shard (no gather, 1/tp of the expert work), and their FSDP units take the tp
+  ranks as replicas, so the weights' gradients add up over them; expert parallel (a `moe_mesh` with an
+  `ep` dim) splits their routed experts by expert, and rows travel to their experts' ranks
+  (distributed/expert_parallel.py); each rank's experts are FSDP units of their own over the
+  `ep_shard` ranks;
 - the embedding is vocab-sharded (rowwise) and `lm_head` colwise with vocab-sharded logits, so the
   loss runs on vocab shards without gathering the full vocabulary;
 - LatentMoE's projections into and out of the latent space belong to the MoE block, replicated with it;
@@ -65,7 +67,7 @@ from nemotron_recipe.distributed.activation_checkpoint import wrap as checkpoint
 from nemotron_recipe.distributed.context_parallel import ContextParallel
 from nemotron_recipe.distributed.expert_parallel import shard_experts
 from nemotron_recipe.distributed.fsdp import set_prefetch, shard_by_dtype
-from nemotron_recipe.distributed.mesh import MeshError, data_parallel_mesh, submesh
+from nemotron_recipe.distributed.mesh import MeshError, data_parallel_mesh, replicated_over, submesh
 from nemotron_recipe.distributed.parallelizer import ModelParallelizer
 from nemotron_recipe.distributed.plan import (
     ActivationCheckpointing,
@@ -187,7 +189,16 @@ def block_plan(
         mixer_params = ShardParameters("A_log", "D", "dt_bias")
         styles["mixer"] = Compose(mixer_params, _gather_sequence()) if sp else mixer_params
         return styles
-    elif kind in ("moe", "mamba", "attention"):
+    elif kind == "moe":
+        # Per-token: with sequence parallel each tp rank routes its own part of the sequence (the
+        # weights' gradients then add up over the tp ranks: `apply_moe_fsdp`).
+        if sp:
+            styles["mixer"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                input_kwarg_layouts={"token_mask": Replicate()}, desired_input_kwarg_layouts={"token_mask": Shard(1)},
+                use_local_output=True)
+        return styles
+    elif kind in ("mamba", "attention"):
         # Replicated over tp: with sequence parallel, gather the sequence in and hand back the shard.
         if sp:
             styles["mixer"] = PrepareModuleInputOutput(
@@ -348,6 +359,18 @@ def apply_context_parallel(blocks, cp_mesh: DeviceMesh) -> None:
     logger.info("context parallel over %d ranks", cp.size)
 
 
+def apply_moe_sequence_group(blocks, cp_mesh: DeviceMesh | None, moe_tp: DeviceMesh | None) -> None:
+    """The MoE blocks' balance loss counts whole sequences: tell them which ranks hold the other parts
+    of theirs (the cp ranks, and the tp ranks where sequence parallel hands each its shard)."""
+    meshes = [m for m in (cp_mesh, moe_tp) if m is not None and m.size() > 1]
+    if not meshes:
+        return
+    mesh = meshes[0] if len(meshes) == 1 else DeviceMesh._concatenate(meshes)._flatten("moe_sequence")
+    for block in blocks:
+        if _block_kind(block) == "moe" and hasattr(block.mixer, "sequence_group"):
+            block.mixer.sequence_group = mesh.get_group()
+
+
 @dataclass(frozen=True)
 class ExpertMeshes:
     """Expert parallel's meshes: `ep` splits each MoE block's routed experts, `dp` is what FSDP shards
@@ -448,6 +471,25 @@ def apply_expert_fsdp(model, experts, expert_dp, data_parallel_size, mp_policy, 
         shard_by_dtype(module, mesh=expert_dp, mp_policy=mp_policy, offload_policy=offload_policy,
                        reshard_after_forward=reshard, keep_fp32=_computes_in_fp32(model))
         for unit in module.modules():
+            if isinstance(unit, FSDPModule):
+                unit.set_gradient_divide_factor(float(data_parallel_size))
+
+
+def apply_moe_fsdp(model, blocks, moe_dp, data_parallel_size, mp_policy, offload_policy,
+                   reshard_after_forward) -> None:
+    """Under sequence parallel each tp rank routes different tokens through its whole copy of a MoE
+    block, so the block's mixer is an FSDP unit of its own over `moe_dp`, whose replicate dim holds the
+    tp ranks: gradients add up over them and average over the data-parallel ranks as elsewhere."""
+    reshard = True if reshard_after_forward is None else reshard_after_forward
+    options = dict(mesh=moe_dp, mp_policy=mp_policy, offload_policy=offload_policy, reshard_after_forward=reshard)
+    for block in blocks:
+        if _block_kind(block) != "moe":
+            continue
+        mixer = block.mixer
+        shard_adapters(mixer, **options | dict(mp_policy=mp_policy or MixedPrecisionPolicy(),
+                                                offload_policy=offload_policy or OffloadPolicy()))
+        shard_by_dtype(mixer, keep_fp32=lambda name: _computes_in_fp32(model)("mixer." + name), **options)
+        for unit in mixer.modules():
             if isinstance(unit, FSDPModule):
                 unit.set_gradient_divide_factor(float(data_parallel_size))
 
@@ -559,6 +601,28 @@ def _checked_layout(model, device_mesh, tp, cp, tp_shard_plan, sequence_parallel
     return plan, dp_mesh, ep
 
 
+def _moe_token_split(blocks, tp_mesh, sequence_parallel, options, ep, tp_name) -> DeviceMesh | None:
+    """The tp mesh over which MoE blocks see different tokens (sequence parallel), or None. Under expert
+    parallel it is the `moe_mesh`'s own tp dim, since the experts' FSDP mesh is cut from that mesh."""
+    if not sequence_parallel or tp_mesh is None or tp_mesh.size() == 1:
+        return None
+    if not any(_block_kind(block) == "moe" for block in blocks):
+        return None
+    if ep is None:
+        return tp_mesh
+    names = options.moe_mesh.mesh_dim_names
+    if tp_name not in names:
+        raise ParallelConfigError(
+            f"moe_mesh with dims {names} and tp={tp_mesh.size()} with sequence parallel: the MoE blocks route "
+            f"each tp rank's sequence shard, so the experts' gradients must add up over the tp ranks, and "
+            f"moe_mesh has no {tp_name!r} dim to do it over. Fix: give moe_mesh a {tp_name!r} dim (innermost).")
+    return options.moe_mesh[tp_name]
+
+
+def _tokens_split(fsdp_mesh: DeviceMesh, moe_tp: DeviceMesh | None) -> DeviceMesh:
+    return fsdp_mesh if moe_tp is None else replicated_over(fsdp_mesh, moe_tp, "dp_replicate_tp")
+
+
 class NemotronHModelParallelizer(ModelParallelizer):
     """Apply Nemotron-H's specialized TP, CP, AC, and FSDP policy."""
 
@@ -590,20 +654,21 @@ class NemotronHModelParallelizer(ModelParallelizer):
         options = CallerOptions.from_kwargs(kwargs)
         ac = activation_checkpointing_spec(activation_checkpointing, options.ac_scope)
         tp_mesh, cp_mesh = submesh(device_mesh, tp_mesh_name), submesh(device_mesh, "cp")
-        tp = tp_mesh.size() if tp_mesh is not None else 1
-        cp = cp_mesh.size() if cp_mesh is not None else 1
+        tp, cp = (mesh.size() if mesh is not None else 1 for mesh in (tp_mesh, cp_mesh))
         plan, dp_mesh, ep = _checked_layout(model, device_mesh, tp, cp, tp_shard_plan, sequence_parallel, options,
                                             (dp_replicate_mesh_name, dp_shard_cp_mesh_name, tp_mesh_name))
         container, blocks = _decoder_blocks(model)
         mtp_container, mtp_blocks = _mtp_layers(model)
+        inner_blocks = blocks + mtp_blocks
+        moe_tp = _moe_token_split(inner_blocks, tp_mesh, sequence_parallel, options, ep, tp_mesh_name)
 
         if tp > 1:
-            apply_tensor_parallel(model, blocks + mtp_blocks, tp_mesh, plan, sequence_parallel)
-        experts = apply_expert_parallel(blocks + mtp_blocks, ep.ep) if ep else []
+            apply_tensor_parallel(model, inner_blocks, tp_mesh, plan, sequence_parallel)
+        experts = apply_expert_parallel(inner_blocks, ep.ep) if ep else []
         if cp > 1:
-            apply_context_parallel(blocks + mtp_blocks, cp_mesh)
+            apply_context_parallel(inner_blocks, cp_mesh)
+        apply_moe_sequence_group(inner_blocks, cp_mesh, tp_mesh if moe_tp is not None else None)
         _no_cache_in_training(model, container)
-        inner_blocks = blocks + mtp_blocks
         if ac.mode != "none":
             blocks = apply_activation_checkpointing(container, blocks, ac.mode, ac.every)
             if mtp_blocks:
@@ -613,8 +678,11 @@ class NemotronHModelParallelizer(ModelParallelizer):
             apply_compile(inner_blocks)
         if reapply_trainability is not None:
             reapply_trainability(model)
+        fsdp_args = (dp_mesh.size(), mp_policy, offload_policy, reshard_after_forward)
         if experts:
-            apply_expert_fsdp(model, experts, ep.dp, dp_mesh.size(), mp_policy, offload_policy, reshard_after_forward)
+            apply_expert_fsdp(model, experts, _tokens_split(ep.dp, moe_tp), *fsdp_args)
+        if moe_tp is not None:
+            apply_moe_fsdp(model, blocks, _tokens_split(dp_mesh, moe_tp), *fsdp_args)
         apply_fsdp(model, blocks, dp_mesh, mp_policy, offload_policy, reshard_after_forward)
         if options.prefetch:
             set_prefetch(blocks, options.forward_prefetch_depth, options.backward_prefetch_depth)
