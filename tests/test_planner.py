@@ -137,8 +137,8 @@ EP_CASES = {
     "ep2": (ODD_TINY, "dp_shard=4,ep=2", "none", "fp32", (2, 128), 4, 256 * 128 * 4),
     # 254 rows over 4 ranks as 64, 64, 63, 63: rank 0 keeps 64 and sends 190.
     "ep4_uneven_full_ac": (ODD_TINY, "dp_shard=4,ep=4", "full", "fp32", (1, 127), 6, 190 * 128 * 4),
-    # tp 2 with sequence parallel: the MoE block gathers the sequence, so each tp rank routes all 512 rows.
-    "tp2_sp": (ODD_TINY, "dp_shard=2,tp=2,sequence_parallel=true,ep=2", "none", "fp32", (2, 128), 4, 256 * 128 * 4),
+    # tp 2 with sequence parallel: each tp rank routes its own half of the sequence, 256 rows, sends 128.
+    "tp2_sp": (ODD_TINY, "dp_shard=2,tp=2,sequence_parallel=true,ep=2", "none", "fp32", (2, 128), 4, 128 * 128 * 4),
     # Latent MoE with an MTP layer (pattern *E): two MoE blocks, rows of the latent width 32 in bf16.
     "latent_mtp_selective": (LATENT_MTP_TINY, "dp_shard=2,ep=2", "selective", "bf16", (2, 64), 12, 128 * 32 * 2),
 }
@@ -159,6 +159,22 @@ def test_expert_all_to_all_bytes_are_what_the_traced_step_sends(case, monkeypatc
     Planner(config, work).estimate(plan)
     assert len(_CountingAllToAll.sent) == exchanges and set(_CountingAllToAll.sent) == {each}
     assert ep_bytes(config, plan, work) == exchanges * each
+
+
+def test_moe_gradients_are_all_reduced_over_tp_only_under_sequence_parallel():
+    """Whole MoE blocks on every tp rank: with sequence parallel each routes its own tokens, so the
+    blocks' FSDP gradient shards (one block: 2 x 8 experts x 64 x 128 + router + shared expert, over
+    dp_shard 2, fp32) are all-reduced over the 2 tp ranks per micro-batch; without, nothing."""
+    from nemotron_recipe.training.planner.comms import moe_tp_bytes
+    from nemotron_recipe.training.planner.state import StateBytes
+
+    config = NemotronHConfig.from_preset("tiny")
+    per_block = 2 * 8 * 64 * 128 + 8 * 128 + 2 * 128 * 128
+    full = StateBytes(params=1, grads=1)
+    sp = plan_for("dp_shard=2,tp=2,sequence_parallel=true", 4, "none", "fp32", 128)
+    assert config.pattern.count("E") == 1 and config.moe_intermediate_size == 64
+    assert moe_tp_bytes(config, sp, full, micro_batches=3) == 3 * 2 * (per_block / 2 * 4) / 2
+    assert moe_tp_bytes(config, plan_for("dp_shard=2,tp=2", 4, "none", "fp32", 128), full, 3) == 0
 
 
 def test_expert_parallel_activations_do_not_grow_with_the_world():

@@ -11,6 +11,8 @@ ranks sends S (n-1)/n, an all-reduce twice that, an all-to-all S (n-1)/n of what
   bytes); the vocab-sharded embedding all-reduces its output. Recomputed blocks repeat their forward.
 - Context parallel: Mamba2 exchanges its projected sequence all-to-all there and back, forward and
   backward; attention gathers keys and values in forward and reduce-scatters their gradients.
+- MoE blocks under sequence parallel: each tp rank routes its own shard through whole blocks, whose
+  FSDP units all-reduce their gradient shards over the tp ranks (`moe_tp_all_reduce`).
 - Expert parallel: each MoE block sends its routed rows (tokens x top-k, of the experts' input
   width: the latent size under LatentMoE) to their experts' ranks and takes the outputs back, two
   all-to-alls in forward and two in backward, two more where the block is recomputed (selective
@@ -24,11 +26,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from nemotron_recipe.distributed.activation_checkpoint import is_checkpointed
 from nemotron_recipe.distributed.expert_parallel import even_split
 from nemotron_recipe.distributed.plan import ParallelPlan
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig
 from nemotron_recipe.models.nemotron_v3.flops import forward_flops, training_flops
+from nemotron_recipe.models.nemotron_v3.model import MoE
 
 from .activations import Workload
 from .state import StateBytes
@@ -92,23 +97,51 @@ def activation_bytes(config: NemotronHConfig, plan: ParallelPlan, work: Workload
     return out
 
 
-def _moe_exchanges(config: NemotronHConfig, plan: ParallelPlan) -> int:
-    """All-to-alls of one micro-batch's MoE blocks (decoder and the MTP layers that run): 4 each,
-    6 where the block is recomputed. MoE is never the model's pick for `blocks`."""
+def _stacks(config: NemotronHConfig) -> list[str]:
+    """The block patterns that run in training: the decoder's, and the MTP layers' when trained."""
     stacks = [config.pattern]
     if config.num_nextn_predict_layers and config.effective_mtp_loss_scale:
         stacks.append(config.mtp_pattern * config.num_nextn_predict_layers)
+    return stacks
+
+
+def _moe_exchanges(config: NemotronHConfig, plan: ParallelPlan) -> int:
+    """All-to-alls of one micro-batch's MoE blocks (decoder and the MTP layers that run): 4 each,
+    6 where the block is recomputed. MoE is never the model's pick for `blocks`."""
     return sum(6 if is_checkpointed(plan.ac.mode, i, plan.ac.every, model_choice=False) else 4
-               for stack in stacks for i, kind in enumerate(stack) if kind == "E")
+               for stack in _stacks(config) for i, kind in enumerate(stack) if kind == "E")
+
+
+def _routes_sequence_shard(plan: ParallelPlan) -> bool:
+    """MoE blocks are whole on every tp rank; with sequence parallel each routes its own shard."""
+    return plan.sequence_parallel and plan.tp > 1
+
+
+def moe_tokens(plan: ParallelPlan, work: Workload) -> int:
+    """Tokens one rank routes through each MoE block per micro-batch: its cp part, its tp shard of
+    that under sequence parallel."""
+    tokens = work.micro_batch * work.seq_len // plan.cp
+    return tokens // plan.tp if _routes_sequence_shard(plan) else tokens
+
+
+def moe_tp_bytes(config: NemotronHConfig, plan: ParallelPlan, state: StateBytes, micro_batches: int) -> float:
+    """Under sequence parallel the tp ranks route different tokens through whole MoE blocks, whose
+    FSDP units all-reduce their gradient shards over the tp ranks too (trained share as the model's)."""
+    if not _routes_sequence_shard(plan):
+        return 0.0
+    with torch.device("meta"):
+        per_block = sum(p.numel() for p in MoE(config).parameters())
+    blocks = sum(stack.count("E") for stack in _stacks(config))
+    shard = blocks * per_block / (plan.dp_shard * plan.cp)
+    trained = state.grads / max(state.params, 1)
+    return micro_batches * 2 * _ring(shard * trained * _bytes(plan.reduce_dtype), plan.tp)
 
 
 def ep_bytes(config: NemotronHConfig, plan: ParallelPlan, work: Workload) -> float:
     """Bytes one rank sends in expert parallel's all-to-alls for one micro-batch."""
     if plan.ep == 1:
         return 0.0
-    # MoE blocks are whole on every tp rank, and sequence parallel gathers their input: each tp rank
-    # routes every token of its cp part.
-    rows = work.micro_batch * work.seq_len // plan.cp * config.num_experts_per_tok
+    rows = moe_tokens(plan, work) * config.num_experts_per_tok
     kept = even_split(rows, plan.ep)[0]  # rank 0's own experts' share stays on the rank
     width = config.moe_latent_size or config.hidden_size
     return _moe_exchanges(config, plan) * (rows - kept) * width * _bytes(plan.param_dtype)
@@ -132,6 +165,7 @@ def step_floor(config: NemotronHConfig, plan: ParallelPlan, work: Workload, traf
         "fsdp_reduce_scatter": _link(plan.tp, plan.dp_shard * plan.cp, hw),
         "hsdp_all_reduce": _link(dp_stride * plan.dp_shard, plan.dp_replicate, hw),
         "tp_all_reduce": _link(1, plan.tp, hw),
+        "moe_tp_all_reduce": _link(1, plan.tp, hw),
         "cp_exchange": _link(plan.tp, plan.cp, hw),
         "ep_all_to_all": _link(plan.tp, plan.ep, hw),
     }
