@@ -24,7 +24,8 @@ from benchmarks.throughput import mesh_sizes
 from nemotron_recipe.distributed import expert_parallel
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
 from nemotron_recipe.models.nemotron_v3.lora import LoRASpec, add_adapters
-from nemotron_recipe.training.loss import forward_loss_sum
+from nemotron_recipe.models.nemotron_v3.mtp import shift_for_mtp
+from nemotron_recipe.training.loss import forward_loss_sum, forward_loss_sums
 from nemotron_recipe.training.optim import build_optimizer
 from nemotron_recipe.training.planner import Planner, Workload, fake_world
 from nemotron_recipe.training.planner import activations
@@ -63,20 +64,29 @@ def _real_state(config: NemotronHConfig, plan, trainability: Trainability | None
         model = parallelize_model(model, plan, plan.build_meshes("cpu"), reapply_trainability=trainability.reapply())
         optimizer = build_optimizer(model, OPTIM)
         ids = torch.randint(0, config.vocab_size, (2, 32 // plan.cp))
-        forward_loss_sum(model, ids, ids, backward_denominator=1.0)
+        depths = config.num_nextn_predict_layers  # MTP layers train as in the trainer
+        forward_loss_sums(model, ids, ids, backward_denominator=1.0, mtp=shift_for_mtp(ids, ids, depths) if depths else None,
+                          mtp_loss_scale=config.effective_mtp_loss_scale)
         optimizer.step()
         return live_state(model, optimizer)
 
 
-def _assert_state_exact(plan, trainability: Trainability | None = None) -> None:
-    predicted = Planner(ODD_TINY, Workload(2, 32), trainability).state(plan)
-    real = _real_state(ODD_TINY, plan, trainability)
+def _assert_state_exact(plan, trainability: Trainability | None = None, config: NemotronHConfig = ODD_TINY) -> None:
+    predicted = Planner(config, Workload(2, 32), trainability).state(plan)
+    real = _real_state(config, plan, trainability)
     assert (predicted.params, predicted.grads, predicted.optimizer) == (real["params"], real["grads"], real["optimizer"])
 
 
 @pytest.mark.parametrize("mesh", MESHES_OF_8, ids=list(MESHES_OF_8))
 def test_state_bytes_exact_on_8_simulated_ranks(mesh):
     _assert_state_exact(plan_for(MESHES_OF_8[mesh], 8, "none", "bf16", 32))
+
+
+@pytest.mark.parametrize("mesh", ["fsdp", "tp", "ep"])
+def test_latent_moe_and_mtp_state_bytes_exact_on_8_simulated_ranks(mesh):
+    """LatentMoE's projections, and an MTP layer (fusion, its own blocks) trained as the trainer does."""
+    config = dataclasses.replace(ODD_TINY, moe_latent_size=32, num_nextn_predict_layers=1)
+    _assert_state_exact(plan_for(MESHES_OF_8[mesh], 8, "none", "bf16", 32), config=config)
 
 
 @pytest.mark.parametrize("mesh", ["fsdp", "tp", "ep"])
