@@ -169,7 +169,7 @@ def test_bias_updates_bring_a_skewed_load_down(tmp_path):
     data = _skewed_data(tmp_path / "skewed.jsonl")
     # A small LR keeps the routers nearly where they start, so the bias alone moves the load.
     common = [*SHORT, "trainer.max_steps=50", f"data.train_file={data}", "data.val_file=null", "optim.lr=1e-5",
-              "checkpoint.save_final=false"]
+              "checkpoint.save_final=false", "trainer.global_batch_size=2", "trainer.preflight=false"]
     imbalance = {}
     for rate in (0.0, 0.01):
         run(compose_run(tmp_path / str(rate), *common, f"moe.bias_update_rate={rate}"))
@@ -235,6 +235,8 @@ def test_a_frozen_router_keeps_its_weight_and_bias_while_the_experts_train(tmp_p
     (["moe.bias_update_rate=-0.1"], "moe.bias_update_rate=-0.1: must be >= 0"),
     (["moe.bias_update_rate=0.01", "moe.freeze_router=true"], "a frozen router keeps its correction bias too"),
     (["moe.freeze_router=true", "model.pattern=M*M-"], "moe.freeze_router=True: the model (pattern 'M*M-') has no MoE"),
+    (["moe.aux_loss_coeff=-1"], "moe.aux_loss_coeff=-1.0: must be >= 0"),
+    (["moe.aux_loss_coeff=0.01", "model.pattern=M*M-"], "moe.aux_loss_coeff=0.01: the model (pattern 'M*M-') has no MoE"),
 ])
 def test_moe_options_that_cannot_apply_are_refused(tmp_path, overrides, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
