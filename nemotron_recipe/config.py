@@ -502,7 +502,8 @@ def _peft_problems(cfg: Any) -> list[str]:
     from nemotron_recipe.models.nemotron_v3.lora import LoRAError, lora_spec_problem
 
     try:
-        problem = lora_spec_problem(build_model_config(cfg.model), p.rank, p.alpha, p.dropout, list(p.target_modules))
+        problem = lora_spec_problem(build_model_config(cfg.model), p.rank, p.alpha, p.dropout, list(p.target_modules),
+                                    tp=int(cfg.mesh.tp))
     except (ModelConfigError, LoRAError) as e:
         problem = str(e)
     return [problem] if problem else []
