@@ -376,3 +376,21 @@ def test_lora_checkpoint_resumes_on_other_meshes(tmp_path):
         assert summary["resumed_from"] == 2 and summary["world_size"] == 2
         resumed = [r["loss"] for r in metrics_rows(tmp_path / name) if "loss" in r]
         assert resumed == pytest.approx(straight, rel=PARITY_RTOL), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_routed_expert_adapters_of_a_rank_below_16_bytes_run_the_grouped_gemm(dtype):
+    """A rank-2 adapter's rows are 4 (bf16) or 8 (fp32) bytes, under the grouped GEMM's 16: padded
+    with zeros they give the per-expert loop's result."""
+    from nemotron_recipe.models.nemotron_v3.lora import ExpertLoRA, LoRASpec
+
+    g = torch.Generator().manual_seed(0)
+    adapter = ExpertLoRA(torch.empty(4, 32, 16), LoRASpec(rank=2)).to(dtype)
+    with torch.no_grad():
+        adapter.A.copy_(torch.randn(adapter.A.shape, generator=g))
+        adapter.B.copy_(torch.randn(adapter.B.shape, generator=g))
+    rows, out = torch.randn(10, 16, generator=g, dtype=dtype), torch.zeros(10, 32, dtype=dtype)
+    counts = [3, 0, 5, 2]
+    grouped = adapter(out, rows, torch.tensor(counts).cumsum(0).to(torch.int32))
+    torch.testing.assert_close(grouped, adapter(out, rows, counts))
+    assert grouped.abs().max() > 0
