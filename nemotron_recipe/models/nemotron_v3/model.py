@@ -308,7 +308,8 @@ class Experts(nn.Module):
 
     Under expert parallel (the parallelizer sets `ep_group`) each rank holds E / ep of them and rows
     travel to their experts' ranks and back. `tokens_per_expert` holds the rows each expert was
-    routed in the last forward (this rank's tokens), which load balancing reads."""
+    routed in the last forward (this rank's tokens; its real ones where the MoE block was given a
+    token mask), which load balancing reads."""
 
     def __init__(self, config: NemotronHConfig):
         super().__init__()
