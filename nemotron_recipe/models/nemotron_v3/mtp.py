@@ -44,12 +44,13 @@ class MTPLayer(Block):
             self.final_layernorm = RMSNorm(d, eps)
 
     def forward(
-        self, x: torch.Tensor, document_ids: torch.Tensor | None = None, embedded: torch.Tensor | None = None
+        self, x: torch.Tensor, document_ids: torch.Tensor | None = None, embedded: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # Fusion and final norm run inside this module's call, so FSDP has gathered their weights.
         if self.fuses:
             x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(x)], dim=-1))
-        x = super().forward(x, document_ids=document_ids)
+        x = super().forward(x, document_ids=document_ids, token_mask=token_mask)
         return self.final_layernorm(x) if self.has_final_norm else x
 
 
@@ -69,18 +70,18 @@ class MultiTokenPrediction(nn.Module):
         shifted_ids: torch.Tensor,
         embed: Callable[[torch.Tensor], torch.Tensor],
         document_ids: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """hidden [b, l, d] (the main model's output), shifted_ids [b, l, depths] (`shift_for_mtp`)
-        -> each depth's hidden states [b, l, d]."""
+        -> each depth's hidden states [b, l, d]. `token_mask`: the main sequence's real tokens, which
+        MoE blocks count their loads over (positions, like the padding, are the main sequence's)."""
         out = []
         for depth in range(self.depths):
             embedded = embed(shifted_ids[..., depth].contiguous())
             for j in range(self.per_depth):
                 layer = self.layers[depth * self.per_depth + j]
-                if j == 0:
-                    hidden = layer(hidden, document_ids=document_ids, embedded=embedded)
-                else:
-                    hidden = layer(hidden, document_ids=document_ids)
+                hidden = layer(hidden, document_ids=document_ids, token_mask=token_mask,
+                               embedded=embedded if j == 0 else None)
             out.append(hidden)
         return out
 
