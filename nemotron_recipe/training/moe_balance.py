@@ -1,9 +1,9 @@
 """Router health and aux-loss-free load balancing of a model's MoE blocks.
 
 Each MoE block's experts count the rows routed to each expert in every forward (of this rank's
-real tokens, padding left out, before any expert-parallel exchange). After each optimizer step the counts of the step's
-micro-batches are summed over every rank that holds different tokens, so what follows is the same on
-every mesh:
+real tokens, padding left out, before any expert-parallel exchange). After each optimizer step the
+counts of the step's micro-batches are summed over every rank that holds different tokens, so what
+follows is the same on every mesh:
 - `moe_load_imbalance`: over the blocks, the largest busiest-expert load / mean expert load;
 - with `moe.bias_update_rate > 0`, each router's correction bias moves by the rate times the sign of
   (mean load - expert load): busy experts become less likely to be picked, idle ones more (DeepSeek-V3's
