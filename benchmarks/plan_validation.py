@@ -86,15 +86,14 @@ def measure(config: NemotronHConfig, plan: ParallelPlan, *, seq_len: int, micro_
     optimizer = build_optimizer(model, OPTIM)
     ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len // plan.cp))
 
-    def step() -> None:
+    def step() -> None:  # the trainer's, but the gradients are set to None before the next one
         forward_loss_sum(model, ids, ids, backward_denominator=float(ids.numel()))
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
     step()
-    peak = step_memory(step, model, device)["peak"]
-    forward_loss_sum(model, ids, ids, backward_denominator=float(ids.numel()))
-    state = live_state(model, optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    peak = step_memory(step, model, device, saved=False)["peak"]
+    state = live_state(model, optimizer)  # gradients still held
     optimizer.zero_grad(set_to_none=True)
     return {"peak": peak, **state}
 

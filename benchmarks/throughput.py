@@ -326,10 +326,11 @@ def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
 
 
 def step_memory(step: Callable[[], None], model: torch.nn.Module, device: torch.device,
-                optimizer: torch.optim.Optimizer | None = None) -> dict[str, int | None]:
+                optimizer: torch.optim.Optimizer | None = None, *, saved: bool = True) -> dict[str, int | None]:
     """Peak memory of one step: on CUDA the model's own weights, gradients and optimizer state plus
     the allocator's peak above the step's start (the peak it would have alone on the device); on CPU
-    the peak RSS above the pre-step RSS."""
+    the peak RSS above the pre-step RSS. With `saved`, a second step counts the bytes autograd saves
+    for backward (`activations`)."""
     out: dict[str, int | None] = {"peak": None, "activations": None}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -348,10 +349,11 @@ def step_memory(step: Callable[[], None], model: torch.nn.Module, device: torch.
             out["peak"] = after[1] - before[0]
         else:
             step()
-    total = [0]
-    with saved_tensor_bytes(model, total):
-        step()
-    out["activations"] = total[0]
+    if saved:
+        total = [0]
+        with saved_tensor_bytes(model, total):
+            step()
+        out["activations"] = total[0]
     return out
 
 
