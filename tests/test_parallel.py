@@ -88,6 +88,8 @@ FOUR_RANK_CASES = [
     "1,1,2,2,1,blocks,fp32",  # CP 2 x TP 2 + SP
     "1,2,2,1,0,none,fp32",  # FSDP 2 x CP 2
     "1,1,4,1,0,none,fp32",  # CP 4
+    "1,1,1,4,0,none,fp32",  # TP 4 over 2 key/value heads: each lives on 2 ranks
+    "1,1,1,4,1,full,fp32",  # the same with SP and full recompute
     "1,1,4,1,0,none,fp32,groups2",  # CP 4 over 2 Mamba groups: each group split in two
     "1,1,2,2,0,none,fp32,groups2",  # CP 2 x TP 2 over 2 Mamba groups: 1 group per tp rank, split in two
     "1,2,1,2,1,none,fp32,moe,ep2",  # EP 2 x TP 2 + SP
