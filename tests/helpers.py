@@ -11,6 +11,8 @@ REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 
 # Overrides that make a recipe run take seconds; each module adds its step and validation counts.
+# The pre-flight's fake-tensor trace of a step (about 2 s a launch, on every rank) is left to the
+# planner's tests, the default run's and the launches that name `PREFLIGHT_ON`.
 RUN_BASE = [
     "trainer.seq_len=64",
     "trainer.global_batch_size=4",
@@ -18,7 +20,9 @@ RUN_BASE = [
     "trainer.log_every=1",
     "data.val_max_batches=1",
     "logger.console.progress_bar=false",
+    "trainer.preflight=false",
 ]
+PREFLIGHT_ON = "trainer.preflight=true"
 
 
 def compose_run(run_dir: Path, *overrides: str, base: list[str] = RUN_BASE):

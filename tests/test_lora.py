@@ -29,7 +29,7 @@ from nemotron_recipe.training.finetune import run
 from nemotron_recipe.training.hf_io import export_hf
 from nemotron_recipe.training.lora import load_adapters, load_base, read_peft_adapter
 
-from helpers import RUN_BASE, compose_run, metrics_rows
+from helpers import PREFLIGHT_ON, RUN_BASE, compose_run, metrics_rows
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).parent / "distributed" / "lora_worker.py"
@@ -151,7 +151,7 @@ def test_step_zero_is_the_base_and_lora_learns(tmp_path):
 
 def test_checkpoint_holds_adapters_and_resumes_exactly(tmp_path):
     common = ["peft=lora", "trainer.max_steps=4", f"checkpoint.dir={tmp_path / 'ckpt'}"]
-    straight = lora_run(tmp_path / "straight", *common[:2])
+    straight = lora_run(tmp_path / "straight", *common[:2], PREFLIGHT_ON)  # planned over the bf16 base
     lora_run(tmp_path / "first", *common, "trainer.stop_at_step=2")
     resumed = lora_run(tmp_path / "second", *common)
     assert resumed["resumed_from"] == 2

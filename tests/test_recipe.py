@@ -20,7 +20,7 @@ from nemotron_recipe.training.finetune import run
 from nemotron_recipe.training.loss import cross_entropy_sum
 from nemotron_recipe.training.optim import clip_grad_norm_, lr_factor
 
-from helpers import RUN_BASE, compose_run, metrics_rows
+from helpers import PREFLIGHT_ON, RUN_BASE, compose_run, metrics_rows
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -132,7 +132,8 @@ TORCHRUN_STEPS = ["trainer.max_steps=5", "trainer.val_every=0", "data.val_max_ba
     [
         (2, [], [], {"dp_shard": 2}),
         (2, ["mesh.cp=2"], [], {"cp": 2, "dp_shard": 1}),
-        (2, ["mesh.tp=2", "mesh.sequence_parallel=true", "ac=blocks"], [], {"tp": 2, "dp_shard": 1}),
+        # With the pre-flight on both ranks: it plans the tp + SP launch and lets it through.
+        (2, ["mesh.tp=2", "mesh.sequence_parallel=true", "ac=blocks", PREFLIGHT_ON], [], {"tp": 2, "dp_shard": 1}),
     ],
     ids=["fsdp2", "cp2", "tp2-sp-ac"],
 )
