@@ -308,8 +308,8 @@ class Experts(nn.Module):
 
     Under expert parallel (the parallelizer sets `ep_group`) each rank holds E / ep of them and rows
     travel to their experts' ranks and back. `tokens_per_expert` holds the rows each expert was
-    routed in the last forward (this rank's tokens; its real ones where the MoE block was given a
-    token mask), which load balancing reads."""
+    routed in the last forward (this rank's tokens; its real ones where a token mask was given),
+    which load balancing reads."""
 
     def __init__(self, config: NemotronHConfig):
         super().__init__()
@@ -320,8 +320,10 @@ class Experts(nn.Module):
         self.ep_group: dist.ProcessGroup | None = None
         self.register_buffer("tokens_per_expert", torch.zeros(e, dtype=torch.long), persistent=False)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """x [t, d]; each token's rows sorted by expert so every expert runs one dense matmul."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [t, d]; each token's rows sorted by expert so every expert runs one dense matmul. Every
+        token is computed; `token_mask` [t] (real tokens true) keeps padding out of the loads."""
         flat_idx = idx.flatten()
         order = flat_idx.argsort(stable=True)
         token = order // idx.shape[1]
@@ -329,7 +331,11 @@ class Experts(nn.Module):
         # with or without minlength).
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat_idx.device).scatter_add_(
             0, flat_idx, torch.ones_like(flat_idx))
-        self.tokens_per_expert.copy_(counts)
+        if token_mask is None:
+            self.tokens_per_expert.copy_(counts)
+        else:
+            real = token_mask.reshape(-1, 1).expand_as(idx).flatten().long()
+            self.tokens_per_expert.zero_().scatter_add_(0, flat_idx, real)
         rows = x[token]
         if self.ep_group is None:
             routed = self.run_experts(rows, counts)
@@ -383,14 +389,13 @@ class MoE(nn.Module):
         the expert loads and the balance loss; every token is computed either way."""
         tokens = hidden.flatten(0, -2)
         scores, weights, idx = self.gate(tokens)
+        # The loads balancing reads count real tokens only, as on any mesh.
+        mask = None if token_mask is None else token_mask.flatten()
         if self.latent:
-            routed = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(tokens), weights, idx))
+            routed = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(tokens), weights, idx, mask))
         else:
-            routed = self.experts(tokens, weights, idx)
+            routed = self.experts(tokens, weights, idx, mask)
         out = routed.view_as(hidden) + self.shared_experts(hidden)
-        if token_mask is not None:  # the loads balancing reads count real tokens only, as on any mesh
-            real = token_mask.reshape(-1, 1).expand_as(idx).flatten().long()
-            self.experts.tokens_per_expert.zero_().scatter_add_(0, idx.flatten(), real)
         if self.balance_loss_weight and self.training and torch.is_grad_enabled():
             loss = sequence_balance_loss(scores, idx, hidden.shape[0], token_mask, self.sequence_group)
             self.balance_loss = loss.detach()
