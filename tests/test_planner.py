@@ -32,7 +32,7 @@ from nemotron_recipe.training.planner import activations
 from nemotron_recipe.training.planner.activations import extrapolate, trace
 from nemotron_recipe.training.planner.world import Trainability, reduced_config
 from nemotron_recipe.training.setup import parallelize_model
-from tests.helpers import CONF, REPO, compose_run
+from tests.helpers import CONF, PREFLIGHT_ON, REPO, compose_run
 
 # A vocabulary that no mesh here divides evenly, so FSDP's padding is part of what is checked.
 ODD_TINY = dataclasses.replace(NemotronHConfig.from_preset("tiny"), vocab_size=520)
@@ -242,12 +242,12 @@ def test_predicted_peak_within_15_percent_of_measured_rss_one_process():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("mesh", ["dp_shard=2", "tp=2", "dp_shard=2,ep=2"])
-def test_predicted_peak_within_15_percent_of_measured_rss_two_ranks(mesh):
-    """fsdp 2, tp 2, and expert parallel over the 2 ranks (each rank's experts receive its peer's rows
-    as the balanced trace assumes; the tiny model routes near-evenly)."""
+@pytest.mark.parametrize("mesh, models", [("dp_shard=2", "tiny,h1024"), ("tp=2", "tiny,h1024"), ("dp_shard=2,ep=2", "tiny")])
+def test_predicted_peak_within_15_percent_of_measured_rss_two_ranks(mesh, models):
+    """tiny and h1024 on fsdp 2 and tp 2, and tiny under expert parallel over the 2 ranks (each rank's
+    experts receive its peer's rows as the balanced trace assumes; the tiny model routes near-evenly)."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    rows = _measured_rows(torchrun, "tiny", mesh)
+    rows = _measured_rows(torchrun, models, mesh)
     assert all(abs(predicted - measured) <= 0.15 * measured for predicted, measured in rows), rows
 
 
@@ -316,7 +316,7 @@ def test_preflight_modes(tmp_path, monkeypatch, caplog):
     # The modes, not the suggestions (the 8B launch and the JSON report check those): none searched.
     monkeypatch.setattr(preflight_module, "suggest", lambda *args, **kwargs: [])
     monkeypatch.setenv("NR_DEVICE_MEMORY_GIB", "0.001")
-    cfg = compose_run(tmp_path, "trainer.device=cpu")
+    cfg = compose_run(tmp_path, "trainer.device=cpu", PREFLIGHT_ON)
     validated = validate_config(cfg)
     with pytest.raises(PreflightError, match="GiB per rank"):
         preflight(cfg, validated, 1)
@@ -346,5 +346,6 @@ def test_preflight_traces_models_with_mtp_layers_trained_or_not(tmp_path, monkey
     from nemotron_recipe.training.planner.preflight import preflight
 
     monkeypatch.setenv("NR_DEVICE_MEMORY_GIB", "64")
-    cfg = compose_run(tmp_path, "trainer.device=cpu", "model.num_nextn_predict_layers=1", f"model.mtp_loss_scale={scale}")
+    cfg = compose_run(tmp_path, "trainer.device=cpu", "model.num_nextn_predict_layers=1", f"model.mtp_loss_scale={scale}",
+                      PREFLIGHT_ON)
     preflight(cfg, validate_config(cfg), 1)  # fits, and the trace finished

@@ -167,6 +167,7 @@ def test_torchrun_ranks_share_one_run_dir_and_match_one_process(tmp_path, single
     assert len(read_rows(run_dirs[0])) == len(read_rows(reference))
     assert (run_dirs[0] / ".hydra" / "config.yaml").is_file()
     assert (run_dirs[0] / "finetune.log").read_text().count("val_loss") == 2
+    assert ("pre-flight: " in (run_dirs[0] / "finetune.log").read_text()) == (PREFLIGHT_ON in mesh)
 
 
 @pytest.mark.distributed
