@@ -45,13 +45,7 @@ def ssd_chunked(
     x, dt, B, C = x.float(), dt.float(), B.float(), C.float()
     D_term = x * D.float()[:, None]
     if pad:
-        # Zero dt on padded steps keeps the state unchanged, and their outputs are cut off below.
-        x = F.pad(x, (0, 0, 0, 0, 0, pad))
-        dt = F.pad(dt, (0, 0, 0, pad))
-        B = F.pad(B, (0, 0, 0, 0, 0, pad))
-        C = F.pad(C, (0, 0, 0, 0, 0, pad))
-        if document_ids is not None:
-            document_ids = torch.cat([document_ids, document_ids[:, -1:].expand(b, pad)], dim=1)
+        x, dt, B, C, document_ids = _pad_sequence(pad, x, dt, B, C, document_ids)
     doc = None if document_ids is None else document_ids.view(b, c, q)
 
     x = x.view(b, c, q, g, r, p)
@@ -65,13 +59,7 @@ def ssd_chunked(
     a_cum = a.cumsum(-1)
 
     # 1. Within each chunk: a causal, decay-weighted "attention" of C over B.
-    seg = a_cum[..., :, None] - a_cum[..., None, :]  # [b,c,g,r,q(i),q(j)] = sum of a over (j, i]
-    keep = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
-    if doc is not None:
-        keep = keep & (doc[..., :, None] == doc[..., None, :])[:, :, None, None]  # same document
-    decay = torch.exp(seg.masked_fill(~keep, float("-inf")))
-    scores = torch.einsum("bcign,bcjgn->bcgij", C, B)[:, :, :, None] * decay  # [b,c,g,r,i,j]
-    y = torch.einsum("bcgrij,bcjgrp->bcigrp", scores, xdt)
+    y = _within_chunks(C, B, xdt, a_cum, doc)
 
     # 2. Each chunk's contribution to the state at its end.
     decay_to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [b,c,g,r,q]
@@ -87,14 +75,7 @@ def ssd_chunked(
         # survives chunk k only if that document is still open at chunk k's end.
         doc_in = torch.cat([doc[:, :1, :1].expand(b, 1, 1), doc[:, :-1, -1:]], dim=1)  # [b,c,1]
         chunk_decay = chunk_decay * (doc[..., -1:] == doc_in)[..., None]
-    state = torch.zeros_like(chunk_states[:, 0])
-    states_in = []
-    # unbind, not indexing: the backward of c index ops writes c full-size zero-padded gradients,
-    # which makes the backward quadratic in the number of chunks; unbind's is one stack.
-    for decay_k, states_k in zip(chunk_decay.unbind(1), chunk_states.unbind(1)):
-        states_in.append(state)
-        state = state * decay_k[..., None, None] + states_k
-    prev = torch.stack(states_in, dim=1)  # state entering each chunk [b,c,g,r,p,n]
+    prev = _states_entering_chunks(chunk_states, chunk_decay)  # [b,c,g,r,p,n]
 
     # 4. The carried-in state's contribution to every position of the chunk.
     y_prev = torch.einsum("bcign,bcgrpn->bcigrp", C, prev)
@@ -105,6 +86,45 @@ def ssd_chunked(
 
     y = y.reshape(b, c * q, h, p)[:, :l]
     return y + D_term
+
+
+def _within_chunks(C: torch.Tensor, B: torch.Tensor, xdt: torch.Tensor, a_cum: torch.Tensor,
+                   doc: torch.Tensor | None) -> torch.Tensor:
+    """Each position's output from its own chunk's earlier positions (of its document):
+    C/B [b,c,q,g,n], xdt [b,c,q,g,r,p], a_cum [b,c,g,r,q] -> [b,c,q,g,r,p]."""
+    q = a_cum.shape[-1]
+    seg = a_cum[..., :, None] - a_cum[..., None, :]  # [b,c,g,r,q(i),q(j)] = sum of a over (j, i]
+    keep = torch.ones(q, q, dtype=torch.bool, device=a_cum.device).tril()
+    if doc is not None:
+        keep = keep & (doc[..., :, None] == doc[..., None, :])[:, :, None, None]  # same document
+    decay = torch.exp(seg.masked_fill(~keep, float("-inf")))
+    scores = torch.einsum("bcign,bcjgn->bcgij", C, B)[:, :, :, None] * decay  # [b,c,g,r,i,j]
+    return torch.einsum("bcgrij,bcjgrp->bcigrp", scores, xdt)
+
+
+def _pad_sequence(pad: int, x, dt, B, C, document_ids):
+    """The sequence padded by `pad` steps to whole chunks. Zero dt on padded steps keeps the state
+    unchanged; their outputs are cut off by the caller."""
+    x = F.pad(x, (0, 0, 0, 0, 0, pad))
+    dt = F.pad(dt, (0, 0, 0, pad))
+    B = F.pad(B, (0, 0, 0, 0, 0, pad))
+    C = F.pad(C, (0, 0, 0, 0, 0, pad))
+    if document_ids is not None:
+        document_ids = torch.cat([document_ids, document_ids[:, -1:].expand(-1, pad)], dim=1)
+    return x, dt, B, C, document_ids
+
+
+def _states_entering_chunks(chunk_states: torch.Tensor, chunk_decay: torch.Tensor) -> torch.Tensor:
+    """The state entering each chunk: chunk_states [b,c,g,r,p,n] (each chunk's own contribution at its
+    end), chunk_decay [b,c,g,r] (how much of the entering state survives the chunk)."""
+    state = torch.zeros_like(chunk_states[:, 0])
+    states_in = []
+    # unbind, not indexing: the backward of c index ops writes c full-size zero-padded gradients,
+    # which makes the backward quadratic in the number of chunks; unbind's is one stack.
+    for decay_k, states_k in zip(chunk_decay.unbind(1), chunk_states.unbind(1)):
+        states_in.append(state)
+        state = state * decay_k[..., None, None] + states_k
+    return torch.stack(states_in, dim=1)
 
 
 def ssd_naive(
