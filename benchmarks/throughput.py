@@ -221,6 +221,23 @@ def timed(step: Callable[[], None], device: torch.device) -> tuple[float, float]
     return time.perf_counter() - start, time.process_time() - cpu
 
 
+def interleaved_times(steps: dict[str, Callable[[], None]], device: torch.device, warmup: int,
+                      rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(wall seconds, CPU seconds) of each step over `rounds` rounds after `warmup` untimed ones. The
+    steps alternate within a round, so a change in the machine's load falls on all of them alike."""
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    cpu_times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            wall, cpu = timed(step, device)
+            times[name].append(wall)
+            cpu_times[name].append(cpu)
+    return times, cpu_times
+
+
 # ---------------------------------------------------------------------------------------- measures
 # Dense bf16 tensor-core peaks from NVIDIA's datasheets (without sparsity), by device name; the
 # first key the name contains wins (so "H100 PCIe" before "H100", which reads as the SXM part).
@@ -454,25 +471,9 @@ def compare(args, cfg, device, parallel) -> dict[str, Any]:
                 print(f"transformers' model cannot run on this mesh ({e}); timing ours alone")
             theirs = None
 
-    dp = tp = 1
-
-    def layout_shard(t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    if parallel is not None:
-        from nemotron_recipe.training.setup import data_layout
-
-        layout = data_layout(*parallel)
-        dp = layout.dp_size
-        tp = parallel[0].tp
-        layout_shard = layout.shard
-    args.tp = tp
-    gen = torch.Generator().manual_seed(args.seed + (0 if parallel is None else layout.dp_rank))
-    full_ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len), generator=gen)
-    full_targets = torch.cat([full_ids[:, 1:], torch.full((args.batch, 1), IGNORE_INDEX)], dim=1)
-    ids = layout_shard(full_ids).to(device)
-    targets = layout_shard(full_targets).to(device)
-    theirs_ids = full_ids.to(device)  # transformers' model takes whole sequences (no context parallel)
+    args.tp = 1 if parallel is None else parallel[0].tp
+    ids, targets, theirs_ids = _batch(cfg, args, device, parallel)
+    dp = 1 if parallel is None else parallel[0].dp_size
 
     steps: dict[str, Callable[[], None]] = {}
     models = {}
@@ -487,16 +488,7 @@ def compare(args, cfg, device, parallel) -> dict[str, Any]:
         models["theirs"], optimizers["theirs"] = theirs, opt_t
 
     peak = peak_matmul_flops(device, dtype, args.peak_size)
-    for _ in range(args.warmup):
-        for step in steps.values():
-            step()
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    cpu_times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(args.steps):
-        for name, step in steps.items():
-            wall, cpu = timed(step, device)
-            times[name].append(wall)
-            cpu_times[name].append(cpu)
+    times, cpu_times = interleaved_times(steps, device, args.warmup, args.steps)
     peak = max(peak, peak_matmul_flops(device, dtype, args.peak_size))
     memory = {name: step_memory(step, models[name], device, optimizers[name]) for name, step in steps.items()}
 
@@ -553,16 +545,20 @@ def sweep(args, cfg, device) -> dict[str, Any]:
     return out
 
 
-def _batch(cfg: NemotronHConfig, args, device: torch.device, parallel) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(cfg: NemotronHConfig, args, device: torch.device, parallel):
     """This rank's (ids, targets) of one random batch (its data-parallel rank's, its sequence part
-    under context parallel)."""
-    from nemotron_recipe.training.setup import data_layout
+    under context parallel), and the whole sequences' ids (transformers' model has no context parallel)."""
+    if parallel is None:
+        dp_rank, shard = 0, lambda t: t
+    else:
+        from nemotron_recipe.training.setup import data_layout
 
-    layout = data_layout(*parallel)
-    gen = torch.Generator().manual_seed(args.seed + layout.dp_rank)
+        layout = data_layout(*parallel)
+        dp_rank, shard = layout.dp_rank, layout.shard
+    gen = torch.Generator().manual_seed(args.seed + dp_rank)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len), generator=gen)
     targets = torch.cat([ids[:, 1:], torch.full((args.batch, 1), IGNORE_INDEX)], dim=1)
-    return layout.shard(ids).to(device), layout.shard(targets).to(device)
+    return shard(ids).to(device), shard(targets).to(device), ids.to(device)
 
 
 def _kept_by_step(model, ids, targets, args) -> int:
@@ -592,7 +588,7 @@ def compare_ac(args, cfg, device, parallel) -> dict[str, Any]:
         init_distributed(device.type)
         parallel = parallel_setup(args, 1, device.type)
     args.tp = parallel[0].tp
-    ids, targets = _batch(cfg, args, device, parallel)
+    ids, targets, _ = _batch(cfg, args, device, parallel)
     models, steps = {}, {}
     for mode in AC_MODES:
         args.ac = mode
@@ -600,16 +596,7 @@ def compare_ac(args, cfg, device, parallel) -> dict[str, Any]:
         if args.compile:  # as the recipe does: the blocks inside their wrappers
             compile_blocks(model)
         steps[mode] = functools.partial(ours_step, model, make_optimizer(model, args.adamw), ids, targets, args)
-    for _ in range(args.warmup):
-        for step in steps.values():
-            step()
-    times = {mode: [] for mode in steps}
-    cpu_times = {mode: [] for mode in steps}
-    for _ in range(args.steps):
-        for mode, step in steps.items():
-            wall, cpu = timed(step, device)
-            times[mode].append(wall)
-            cpu_times[mode].append(cpu)
+    times, cpu_times = interleaved_times(steps, device, args.warmup, args.steps)
     result = {}
     for mode, model in models.items():
         kept = _kept_by_step(model, ids, targets, args)
@@ -638,20 +625,11 @@ def compare_peft(args, cfg, device, parallel) -> dict[str, Any]:
     models = {"full": parallelize(full, parallel, args),
               "lora": parallelize(lora, parallel, args, reapply_trainability=freeze_base)}
     init_adapters(models["lora"], args.seed)
-    ids, targets = _batch(cfg, args, device, parallel)
+    ids, targets, _ = _batch(cfg, args, device, parallel)
     optimizers = {name: make_optimizer(model, args.adamw) for name, model in models.items()}
     steps = {name: functools.partial(ours_step, model, optimizers[name], ids, targets, args)
              for name, model in models.items()}
-    for _ in range(args.warmup):
-        for step in steps.values():
-            step()
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    cpu_times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(args.steps):
-        for name, step in steps.items():
-            wall, cpu = timed(step, device)
-            times[name].append(wall)
-            cpu_times[name].append(cpu)
+    times, cpu_times = interleaved_times(steps, device, args.warmup, args.steps)
     result = {}
     for name, model in models.items():
         resident = resident_bytes(model, optimizers[name])
