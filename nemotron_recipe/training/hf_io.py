@@ -117,6 +117,25 @@ class _SafetensorsIndex:
         return piece
 
 
+def _load_per_expert(files: _SafetensorsIndex, name: str, shape: tuple[int, ...], local: torch.Tensor, box,
+                     missing: list[str], bad: list) -> None:
+    """Fills a stacked expert weight [E, ...] (this rank's `box` of it) from transformers' per-expert
+    tensors (`...experts.{e}.up_proj.weight`), or adds what is absent or misshapen to `missing`/`bad`."""
+    parts = name.split(".")
+    per_expert = [files.find(f"{'.'.join(parts[:-1])}.{e}.{parts[-1]}.weight") for e in range(shape[0])]
+    absent = [e for e, n in enumerate(per_expert) if n is None]
+    if absent:
+        missing.append(f"{name} (experts {absent[:8]})")
+        return
+    wrong = [(n, files.shape(n), shape[1:]) for n in per_expert if files.shape(n) != shape[1:]]
+    if wrong:
+        bad.extend(wrong)
+        return
+    files.used.update(per_expert)
+    if local.numel():
+        local.copy_(torch.stack([files.read(per_expert[e], box[1:]) for e in range(*box[0])]))
+
+
 @torch.no_grad()
 def load_hf_sharded(
     model: nn.Module, path: str, device: torch.device | str, skip: Callable[[str], bool] | None = None
@@ -144,24 +163,11 @@ def load_hf_sharded(
                 continue
             local, box = _local_box(target)
             shape = tuple(target.shape)
-            parts = name.split(".")
             kind, suffix = mixer_tensor(name, cfg)  # main and MTP blocks alike
             source = files.find(name)
 
             if source is None and kind == "moe" and suffix in ("experts.up_proj", "experts.down_proj"):
-                per_expert = [files.find(f"{'.'.join(parts[:-1])}.{e}.{parts[-1]}.weight") for e in range(shape[0])]
-                absent = [e for e, n in enumerate(per_expert) if n is None]
-                if absent:
-                    missing.append(f"{name} (experts {absent[:8]})")
-                    continue
-                wrong = [(n, files.shape(n), shape[1:]) for n in per_expert if files.shape(n) != shape[1:]]
-                if wrong:
-                    bad.extend(wrong)
-                    continue
-                for n in per_expert:
-                    files.used.add(n)
-                if local.numel():
-                    local.copy_(torch.stack([files.read(per_expert[e], box[1:]) for e in range(*box[0])]))
+                _load_per_expert(files, name, shape, local, box, missing, bad)
                 continue
             if source is None:
                 missing.append(name)
