@@ -286,7 +286,7 @@ def shard_adapters(module: nn.Module, **fsdp_options) -> None:
     They keep fp32 storage and compute in the policy's dtype, as the rest of the step does (a bf16 policy
     gathers them in bf16; their gradients are reduced in the policy's `reduce_dtype`). On this CPU's
     oneDNN the rank-8 GEMMs of an h1024 block are 2-3x faster in bf16 than in fp32, and without the
-    fp32 casts of each adapted projection's input and output a LoRA step takes 0.83-0.89x of full
+    fp32 casts of each adapted projection's input and output a LoRA step takes 0.82-0.89x of full
     fine-tuning's time instead of 0.90-0.93x (benchmarks/RESULTS.md)."""
     if adapters := adapter_modules(module):
         fully_shard(adapters, **fsdp_options)
