@@ -162,30 +162,34 @@ class NemotronHConfig:
                 "choose Mamba heads that are a multiple of the number of groups",
             )
         if "E" in kinds:
-            if self.num_experts_per_tok > self.n_routed_experts:
-                fail(
-                    "num_experts_per_tok", self.num_experts_per_tok,
-                    f"more than n_routed_experts={self.n_routed_experts}", "route to at most all experts",
-                )
-            if self.n_routed_experts % self.n_group:
-                fail(
-                    "n_routed_experts", self.n_routed_experts, f"not divisible by n_group={self.n_group}",
-                    "choose a number of expert groups that divides the experts",
-                )
-            if self.topk_group > self.n_group:
-                fail("topk_group", self.topk_group, f"more than n_group={self.n_group}", "set topk_group <= n_group")
-            if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
-                fail(
-                    "n_group", self.n_group,
-                    "group-limited routing scores each group by its two best experts, but groups hold fewer than 2",
-                    "use fewer expert groups",
-                )
-            if self.topk_group * (self.n_routed_experts // self.n_group) < self.num_experts_per_tok:
-                fail(
-                    "topk_group", self.topk_group,
-                    f"the chosen groups hold fewer experts than num_experts_per_tok={self.num_experts_per_tok}",
-                    "raise topk_group or lower num_experts_per_tok",
-                )
+            self._validate_routing(fail)
+
+    def _validate_routing(self, fail) -> None:
+        """The routed experts' counts and group-limited routing (models with MoE blocks)."""
+        if self.num_experts_per_tok > self.n_routed_experts:
+            fail(
+                "num_experts_per_tok", self.num_experts_per_tok,
+                f"more than n_routed_experts={self.n_routed_experts}", "route to at most all experts",
+            )
+        if self.n_routed_experts % self.n_group:
+            fail(
+                "n_routed_experts", self.n_routed_experts, f"not divisible by n_group={self.n_group}",
+                "choose a number of expert groups that divides the experts",
+            )
+        if self.topk_group > self.n_group:
+            fail("topk_group", self.topk_group, f"more than n_group={self.n_group}", "set topk_group <= n_group")
+        if self.n_group > 1 and self.n_routed_experts // self.n_group < 2:
+            fail(
+                "n_group", self.n_group,
+                "group-limited routing scores each group by its two best experts, but groups hold fewer than 2",
+                "use fewer expert groups",
+            )
+        if self.topk_group * (self.n_routed_experts // self.n_group) < self.num_experts_per_tok:
+            fail(
+                "topk_group", self.topk_group,
+                f"the chosen groups hold fewer experts than num_experts_per_tok={self.num_experts_per_tok}",
+                "raise topk_group or lower num_experts_per_tok",
+            )
 
     def _validate_latent_and_mtp(self, fail) -> None:
         latent = self.moe_latent_size
