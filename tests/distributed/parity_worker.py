@@ -146,6 +146,21 @@ def train(model, ids, targets, *, dp_rank=0, dp_size=1, dp_group=None, cp=None, 
     return losses, grads, first_logits
 
 
+def parse_case(case: str) -> tuple[ParallelPlan, str, bool]:
+    """(the case's parallel plan, its model's name, whether FSDP averages the gradients)."""
+    fields = case.split(",")
+    rep, shard, cp, tp, sp, ac, dtype = fields[:7]
+    model_name = fields[7] if len(fields) > 7 else "native"
+    ep = int(fields[8].removeprefix("ep")) if len(fields) > 8 else 1
+    mean = len(fields) > 9 and fields[9] == "mean"  # FSDP's own averaging, the published default
+    plan = ParallelPlan(
+        dp_replicate=int(rep), dp_shard=int(shard), cp=int(cp), tp=int(tp), ep=ep, sequence_parallel=sp == "1",
+        ac=ActivationCheckpointing(ac), param_dtype=DTYPES[dtype.removesuffix("_offload")],
+        offload=dtype.endswith("_offload"),
+    )
+    return plan, model_name, mean
+
+
 def main() -> None:
     out_path, cases = sys.argv[1], sys.argv[2:]
     dist.init_process_group("gloo")
@@ -156,18 +171,9 @@ def main() -> None:
     split_group_scans = [0]
     count_split_group_scans(split_group_scans)
     for case in cases:
-        fields = case.split(",")
-        rep, shard, cp, tp, sp, ac, dtype = fields[:7]
-        model_name = fields[7] if len(fields) > 7 else "native"
-        ep = int(fields[8].removeprefix("ep")) if len(fields) > 8 else 1
-        mean = len(fields) > 9 and fields[9] == "mean"  # FSDP's own averaging, the published default
+        plan, model_name, mean = parse_case(case)
         if model_name not in references and rank == 0:
             references[model_name] = train(build_model(model_name), ids, targets)
-        plan = ParallelPlan(
-            dp_replicate=int(rep), dp_shard=int(shard), cp=int(cp), tp=int(tp), ep=ep, sequence_parallel=sp == "1",
-            ac=ActivationCheckpointing(ac), param_dtype=DTYPES[dtype.removesuffix("_offload")],
-            offload=dtype.endswith("_offload"),
-        )
         meshes = plan.build_meshes()
         model = build_model(model_name)
         PARALLELIZER.parallelize(model, plan, meshes, tp_shard_plan="mlp" if model_name == "hf" else None)
@@ -193,7 +199,7 @@ def main() -> None:
         expert_elements = torch.tensor([sum(local_numel(p) for p in experts)])
         dist.all_reduce(expert_elements, op=dist.ReduceOp.MAX)
         held = {
-            f"{i}:{NATIVE_CONFIGS.get(model_name, CFG).block_types[i]}": sum(p.numel() * tp_fraction(p, int(tp)) for p in block.parameters())
+            f"{i}:{NATIVE_CONFIGS.get(model_name, CFG).block_types[i]}": sum(p.numel() * tp_fraction(p, plan.tp) for p in block.parameters())
             / sum(p.numel() for p in block.parameters())
             for i, block in enumerate(model.model.layers)
         }
