@@ -513,8 +513,8 @@ class NemotronHForCausalLM(nn.Module):
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)
         mtp_loss_sum = None
         if targets is not None and self._runs_mtp():
-            mtp_loss_sum = self._mtp_loss_sum(hidden, input_ids, targets, (document_ids, token_mask), mtp_input_ids,
-                                              mtp_targets, loss_chunk_size)
+            mtp_loss_sum = self._mtp_loss_sum(hidden, input_ids, targets, document_ids, mtp_input_ids, mtp_targets,
+                                              loss_chunk_size, token_mask=token_mask)
         if targets is not None and loss_chunk_size:
             out = self.lm_head(hidden, targets=targets, chunk_size=loss_chunk_size)
             if isinstance(out, tuple):
@@ -532,10 +532,9 @@ class NemotronHForCausalLM(nn.Module):
         """MTP layers run in training only, and not at all with a zero loss scale (their weights are kept)."""
         return self.mtp is not None and self.training and self.config.effective_mtp_loss_scale > 0
 
-    def _mtp_loss_sum(self, hidden, input_ids, targets, masks, mtp_input_ids, mtp_targets, chunk_size):
-        """The MTP depths' token-summed cross-entropies through the shared head, averaged over depths.
-        `masks`: the main forward's (document_ids, token_mask)."""
-        document_ids, token_mask = masks
+    def _mtp_loss_sum(self, hidden, input_ids, targets, document_ids, mtp_input_ids, mtp_targets, chunk_size,
+                      token_mask=None):
+        """The MTP depths' token-summed cross-entropies through the shared head, averaged over depths."""
         if mtp_input_ids is None or mtp_targets is None:
             if any(getattr(m, "context_parallel", None) is not None for m in self.modules()):
                 raise ValueError("context parallel MTP needs mtp_input_ids and mtp_targets made from the whole "

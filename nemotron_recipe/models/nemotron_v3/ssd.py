@@ -62,11 +62,7 @@ def ssd_chunked(
     y = _within_chunks(C, B, xdt, a_cum, doc)
 
     # 2. Each chunk's contribution to the state at its end.
-    decay_to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [b,c,g,r,q]
-    if doc is not None:  # only the document still open at the chunk's end carries on
-        decay_to_end = decay_to_end * (doc == doc[..., -1:])[:, :, None, None]
-    xdt_to_end = xdt * decay_to_end.permute(0, 1, 4, 2, 3)[..., None]
-    chunk_states = torch.einsum("bcjgn,bcjgrp->bcgrpn", B, xdt_to_end)
+    chunk_states = _chunk_end_states(B, xdt, a_cum, doc)
 
     # 3. Carry states across chunks: a short sequential recurrence over c chunk boundaries.
     chunk_decay = torch.exp(a_cum[..., -1])  # [b,c,g,r]
@@ -100,6 +96,16 @@ def _within_chunks(C: torch.Tensor, B: torch.Tensor, xdt: torch.Tensor, a_cum: t
     decay = torch.exp(seg.masked_fill(~keep, float("-inf")))
     scores = torch.einsum("bcign,bcjgn->bcgij", C, B)[:, :, :, None] * decay  # [b,c,g,r,i,j]
     return torch.einsum("bcgrij,bcjgrp->bcigrp", scores, xdt)
+
+
+def _chunk_end_states(B: torch.Tensor, xdt: torch.Tensor, a_cum: torch.Tensor,
+                      doc: torch.Tensor | None) -> torch.Tensor:
+    """What each chunk's own positions leave in the state at its end: [b,c,g,r,p,n]."""
+    decay_to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [b,c,g,r,q]
+    if doc is not None:  # only the document still open at the chunk's end carries on
+        decay_to_end = decay_to_end * (doc == doc[..., -1:])[:, :, None, None]
+    xdt_to_end = xdt * decay_to_end.permute(0, 1, 4, 2, 3)[..., None]
+    return torch.einsum("bcjgn,bcjgrp->bcgrpn", B, xdt_to_end)
 
 
 def _pad_sequence(pad: int, x, dt, B, C, document_ids):
