@@ -110,17 +110,11 @@ def test_pretrained_checkpoint_is_fine_tuned(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def single_process_run(tmp_path_factory):
-    """The one-process run of the given model overrides (run once per module for each)."""
-    runs: dict[tuple[str, ...], Path] = {}
-
-    def reference(*model_overrides: str) -> Path:
-        if model_overrides not in runs:
-            runs[model_overrides] = tmp_path_factory.mktemp("single")
-            run(make_cfg(runs[model_overrides], *TORCHRUN_STEPS, *model_overrides))
-        return runs[model_overrides]
-
-    return reference
+def single_process_run(tmp_path_factory) -> Path:
+    """The one-process run the torchrun launches are compared with (once per module)."""
+    run_dir = tmp_path_factory.mktemp("single")
+    run(make_cfg(run_dir, *TORCHRUN_STEPS))
+    return run_dir
 
 
 TORCHRUN_STEPS = ["trainer.max_steps=5", "trainer.val_every=0", "data.val_max_batches=null"]
@@ -128,22 +122,21 @@ TORCHRUN_STEPS = ["trainer.max_steps=5", "trainer.val_every=0", "data.val_max_ba
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    "nproc, mesh, model, expected",
+    "mesh, expected",
     [
-        (2, [], [], {"dp_shard": 2}),
-        (2, ["mesh.cp=2"], [], {"cp": 2, "dp_shard": 1}),
+        ([], {"dp_shard": 2}),
+        (["mesh.cp=2"], {"cp": 2, "dp_shard": 1}),
         # With the pre-flight on both ranks: it plans the tp + SP launch and lets it through.
-        (2, ["mesh.tp=2", "mesh.sequence_parallel=true", "ac=blocks", PREFLIGHT_ON], [], {"tp": 2, "dp_shard": 1}),
+        (["mesh.tp=2", "mesh.sequence_parallel=true", "ac=blocks", PREFLIGHT_ON], {"tp": 2, "dp_shard": 1}),
     ],
     ids=["fsdp2", "cp2", "tp2-sp-ac"],
 )
-def test_torchrun_ranks_share_one_run_dir_and_match_one_process(tmp_path, single_process_run, nproc, mesh, model,
-                                                                 expected):
-    reference = single_process_run(*model)
+def test_torchrun_ranks_share_one_run_dir_and_match_one_process(tmp_path, single_process_run, mesh, expected):
+    reference = single_process_run
     env = {k: v for k, v in os.environ.items() if k != "NR_RUN_ID"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-         "-m", "recipes.finetune", *TINY, *TORCHRUN_STEPS, *mesh, *model],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "recipes.finetune", *TINY, *TORCHRUN_STEPS, *mesh],
         cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300,
     )
     # A clean exit: every rank returned 0 (no abort at teardown).
@@ -152,7 +145,7 @@ def test_torchrun_ranks_share_one_run_dir_and_match_one_process(tmp_path, single
     run_dirs = list((tmp_path / "outputs").glob("*/*"))
     assert len(run_dirs) == 1, run_dirs
     summary = json.loads((run_dirs[0] / "summary.json").read_text())
-    assert summary["world_size"] == nproc
+    assert summary["world_size"] == 2
     assert {k: summary["mesh"][k] for k in expected} == expected
 
     def losses(d):
