@@ -278,6 +278,11 @@ def _fake_bin(tmp_path: Path) -> Path:
         "deadline = time.monotonic() + 20\n"
         "while not got and time.monotonic() < deadline:\n"
         "    time.sleep(0.02)\n"
+        # Copies of the signal may still be on their way (the script and srun both forward it). The
+        # recipe ignores repeats while it saves; this stand-in exits at once, and Python's exit would
+        # put back the default action, which a late copy of SIGUSR1 turns into a death by signal.
+        "signal.signal(signal.SIGUSR1, signal.SIG_IGN)\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
         "open(os.path.join(log, 'signals'), 'w').write(','.join(got))\n"
         "sys.exit(int(os.environ['FAKE_EXIT_ON_SIGNAL']) if got else 3)\n"
     )
