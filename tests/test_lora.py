@@ -38,8 +38,6 @@ PARITY_RTOL = 1e-5  # LoRA loss curves of a mesh against one process, fp32
 FAST = [*RUN_BASE, "trainer.val_every=0", "optim.warmup_steps=0", "optim.lr=1e-2"]
 # Everything but the Mamba2 out_proj, which PEFT refuses to adapt on NemotronH.
 PEFT_TARGETS = "peft.target_modules=[*.in_proj,*.q_proj,*.k_proj,*.v_proj,*.o_proj,*.up_proj,*.down_proj]"
-# The default targets and lm_head, which is adapted only when named.
-WITH_HEAD = "peft.target_modules=[*.in_proj,*.out_proj,*.q_proj,*.k_proj,*.v_proj,*.o_proj,*.up_proj,*.down_proj,lm_head]"
 
 
 def lora_run(run_dir: Path, *overrides: str) -> dict:
@@ -136,15 +134,13 @@ def test_bad_lora_settings_are_named_before_any_work(tmp_path, overrides, needle
 
 # ------------------------------------------------------------------ the recipe
 def test_step_zero_is_the_base_and_lora_learns(tmp_path):
-    """30 LoRA steps on the tiny preset (its random base, the shipped SFT data and validation set, the
-    recipe's optimizer defaults) lower validation loss by 30%, with lm_head named as a target: over a
-    frozen random head and final norm a hidden state of RMS 1 reaches logits of about +-2.5 at most, so
-    the default targets alone cannot go much below the unigram loss (13% in 30 steps)."""
+    """30 LoRA steps with the default targets on the tiny preset (its random base, the shipped SFT data
+    and validation set, the recipe's learning rate) lower validation loss by 30%; step 0 is the base's
+    loss exactly (fp32 base, as the full run's)."""
     settings = ["optim.lr=3e-3", "optim.warmup_steps=10", "data.val_max_batches=8", "checkpoint.save_final=false"]
     full = lora_run(tmp_path / "full", "trainer.max_steps=1", *settings)
-    lora = lora_run(tmp_path / "lora", "peft=lora", "peft.base_dtype=fp32", WITH_HEAD,
-                    "trainer.max_steps=30", *settings)
-    print(f"LoRA with lm_head, 30 steps: validation loss {lora['first_val_loss']:.4f} -> {lora['last_val_loss']:.4f}")
+    lora = lora_run(tmp_path / "lora", "peft=lora", "peft.base_dtype=fp32", "trainer.max_steps=30", *settings)
+    print(f"LoRA, 30 steps: validation loss {lora['first_val_loss']:.4f} -> {lora['last_val_loss']:.4f}")
     assert lora["first_val_loss"] == full["first_val_loss"]  # exactly: B = 0
     assert lora["last_val_loss"] <= 0.7 * lora["first_val_loss"]
 
