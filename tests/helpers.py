@@ -23,6 +23,12 @@ RUN_BASE = [
     "trainer.preflight=false",
 ]
 PREFLIGHT_ON = "trainer.preflight=true"
+# A model of every block kind that runs and compiles in seconds: two heads of each kind, so head
+# splits are exercised, and routed experts narrow enough for a handful of tokens to reach each.
+SMALL_DIMS = dict(vocab_size=64, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                  intermediate_size=48, mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=8,
+                  chunk_size=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                  moe_shared_expert_intermediate_size=16)
 
 
 def compose_run(run_dir: Path, *overrides: str, base: list[str] = RUN_BASE):

@@ -19,13 +19,10 @@ from nemotron_recipe.training.loss import cross_entropy_sum
 from nemotron_recipe.training.setup import parallelize_model
 
 from benchmarks.throughput import kept_for_backward
-from helpers import CONF, perturb_off_init, scan_inputs
+from helpers import CONF, SMALL_DIMS, perturb_off_init, scan_inputs
 
 # Every block kind, biases on, a scan of several chunks with a padded last one.
-DIMS = dict(vocab_size=64, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-            intermediate_size=48, mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=8,
-            chunk_size=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-            moe_shared_expert_intermediate_size=16, use_bias=True, mlp_bias=True)
+DIMS = dict(SMALL_DIMS, use_bias=True, mlp_bias=True)
 PATTERN = "M*-E"
 CHECKPOINTING = [m for m in ac.AC_MODES if m != "none"]
 

@@ -26,7 +26,7 @@ from nemotron_recipe.models.nemotron_v3.ssd import ssd_chunked, ssd_naive
 from nemotron_recipe.training.compile import compile_blocks
 from nemotron_recipe.training.loss import cross_entropy_sum
 
-from helpers import scan_inputs
+from helpers import SMALL_DIMS, scan_inputs
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -151,7 +151,7 @@ def test_grouped_experts_equal_the_expert_loop(dtype, monkeypatch):
     from nemotron_recipe.models.nemotron_v3 import model as model_module
 
     torch.manual_seed(0)
-    experts = model_module.Experts(NemotronHConfig(pattern="E", **SMALL))
+    experts = model_module.Experts(NemotronHConfig(pattern="E", **SMALL_DIMS))
     torch.nn.init.normal_(experts.up_proj)
     torch.nn.init.normal_(experts.down_proj)
     experts = experts.to(dtype)
@@ -177,7 +177,7 @@ def test_model_fast_ops_match_plain_ops(docs, monkeypatch):
     from nemotron_recipe.models.nemotron_v3.model import Mamba2Mixer
 
     torch.manual_seed(0)
-    model = NemotronHForCausalLM(NemotronHConfig(pattern="M*EM-", **SMALL))
+    model = NemotronHForCausalLM(NemotronHConfig(pattern="M*EM-", **SMALL_DIMS))
     ids = torch.randint(0, 64, (2, 40))
     doc = torch.tensor([[0] * 17 + [1] * 23, [0] * 40]) if docs else None
 
@@ -223,7 +223,7 @@ def test_cuda_scan_matches_plain_scan():
 @cuda
 def test_cuda_model_matches_cpu_model():
     torch.manual_seed(0)
-    model = NemotronHForCausalLM(NemotronHConfig(pattern="M*-E", **SMALL))
+    model = NemotronHForCausalLM(NemotronHConfig(pattern="M*-E", **SMALL_DIMS))
     ids = torch.randint(0, 64, (2, 40))
     loss_cpu, grads_cpu = _loss_and_grads(model, ids)
     model.cuda()
@@ -283,7 +283,7 @@ def test_model_chunked_loss_equals_plain_loss():
     from nemotron_recipe.training.loss import forward_loss_sum
 
     torch.manual_seed(0)
-    model = NemotronHForCausalLM(NemotronHConfig(pattern="M-", **SMALL))
+    model = NemotronHForCausalLM(NemotronHConfig(pattern="M-", **SMALL_DIMS))
     ids = torch.randint(0, 64, (3, 30))
     targets = torch.roll(ids, -1, dims=1)
     targets[:, -1] = -100
@@ -337,10 +337,6 @@ def test_chunked_loss_refuses_dtensors():
 
 
 # ------------------------------------------------------------------------------------------ compile
-SMALL = dict(vocab_size=64, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-             intermediate_size=48, mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=8,
-             chunk_size=8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-             moe_shared_expert_intermediate_size=16)
 
 
 def _loss_and_grads(model, ids):
@@ -354,7 +350,7 @@ def _loss_and_grads(model, ids):
 
 def test_compiled_blocks_match_eager():
     torch.manual_seed(0)
-    model = NemotronHForCausalLM(NemotronHConfig(pattern="M*", **SMALL))
+    model = NemotronHForCausalLM(NemotronHConfig(pattern="M*", **SMALL_DIMS))
     ids = torch.randint(0, 64, (2, 16))
     loss0, grads0 = _loss_and_grads(model, ids)
     assert compile_blocks(model, probe=lambda: _loss_and_grads(model, ids))
@@ -370,7 +366,7 @@ def test_compile_failure_falls_back_with_a_warning(caplog):
         raise RuntimeError("no compiler on this machine")
 
     torch.manual_seed(0)
-    model = NemotronHForCausalLM(NemotronHConfig(pattern="-", **SMALL))
+    model = NemotronHForCausalLM(NemotronHConfig(pattern="-", **SMALL_DIMS))
     ids = torch.randint(0, 64, (2, 16))
     loss0, _ = _loss_and_grads(model, ids)
     with caplog.at_level(logging.WARNING):
