@@ -207,87 +207,95 @@ def test_torchrun_refuses_incomplete_settings(env: dict[str, str], message: str)
     assert message in proc.stderr and proc.stdout == ""
 
 
+_SCONTROL = """#!/bin/bash
+echo "$*" >> "$FAKE_LOG/scontrol.log"
+if [[ $1 == show && $2 == hostnames ]]; then printf "gpu01\\ngpu02\\ngpu03\\n"; fi
+"""
+
+# Like slurmstepd (proctrack/cgroup), srun signals every process of the step: torchrun starts each
+# trainer in a session of its own, so signalling the step's process group would miss them.
+_SRUN = """
+import os, signal, subprocess, sys
+task = sys.argv[sys.argv.index('bash'):]
+proc = None
+
+def descendants(root):
+    children = {}
+    for entry in os.listdir('/proc'):
+        if entry.isdigit():
+            try:
+                stat = open(f'/proc/{entry}/stat').read()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(')', 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        found.append(todo.pop())
+        todo.extend(children.get(found[-1], []))
+    return found
+
+def forward(sig, frame):
+    for pid in descendants(proc.pid) if proc is not None else []:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+signal.signal(signal.SIGUSR1, forward)
+signal.signal(signal.SIGTERM, forward)
+proc = subprocess.Popen(task, env=dict(os.environ, SLURM_NODEID='0'), start_new_session=True)
+open(os.path.join(os.environ['FAKE_LOG'], 'step.pgid'), 'w').write(str(proc.pid))
+rc = proc.wait()
+sys.exit(rc if rc >= 0 else 128 - rc)
+"""
+
+# The torchrun agent: records how it was started, runs one trainer process and returns its status.
+_TORCHRUN = """
+import json, os, signal, subprocess, sys
+log = os.environ['FAKE_LOG']
+json.dump({'argv': sys.argv[1:], 'NR_RUN_ID': os.environ.get('NR_RUN_ID'),
+           'NODE_RANK': os.environ.get('NODE_RANK'),
+           'usr1_ignored': signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN},
+          open(os.path.join(log, 'torchrun.json'), 'w'))
+signal.signal(signal.SIGTERM, lambda *_: None)
+trainer = subprocess.Popen([sys.executable, os.environ['FAKE_TRAINER']], start_new_session=True)
+sys.exit(trainer.wait())
+"""
+
+# The trainer: on SIGUSR1 or SIGTERM it "saves" and exits with FAKE_EXIT_ON_SIGNAL. Copies of the
+# signal may still be on their way (the script and srun both forward it). The recipe ignores repeats
+# while it saves; this stand-in exits at once, and Python's exit would put back the default action,
+# which a late copy of SIGUSR1 turns into a death by signal: hence SIG_IGN before it exits.
+_TRAINER = """
+import os, signal, sys, time
+log = os.environ['FAKE_LOG']
+got = []
+signal.signal(signal.SIGUSR1, lambda *_: got.append('USR1'))
+signal.signal(signal.SIGTERM, lambda *_: got.append('TERM'))
+open(os.path.join(log, 'trainer.pid'), 'w').write(str(os.getpid()))
+open(os.path.join(log, 'ready'), 'w').close()
+if os.environ['FAKE_MODE'] == 'finish':
+    sys.exit(0)
+deadline = time.monotonic() + 20
+while not got and time.monotonic() < deadline:
+    time.sleep(0.02)
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open(os.path.join(log, 'signals'), 'w').write(','.join(got))
+sys.exit(int(os.environ['FAKE_EXIT_ON_SIGNAL']) if got else 3)
+"""
+
+
 def _fake_bin(tmp_path: Path) -> Path:
-    """Stand-ins for srun, scontrol and torchrun (Linux: srun reads /proc) that record what they do."""
+    """Stand-ins for srun, scontrol and torchrun (Linux: srun reads /proc) that record what they do,
+    and the trainer script the torchrun stand-in starts (`tmp_path / "trainer.py"`)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    py = sys.executable
-
-    (bin_dir / "scontrol").write_text(
-        '#!/bin/bash\necho "$*" >> "$FAKE_LOG/scontrol.log"\n'
-        'if [[ $1 == show && $2 == hostnames ]]; then printf "gpu01\\ngpu02\\ngpu03\\n"; fi\n'
-    )
-    # Like slurmstepd (proctrack/cgroup), signal every process of the step: torchrun starts each
-    # trainer in a session of its own, so signalling the step's process group would miss them.
-    (bin_dir / "srun").write_text(
-        f"#!{py}\n"
-        "import os, signal, subprocess, sys\n"
-        "task = sys.argv[sys.argv.index('bash'):]\n"
-        "proc = None\n"
-        "def descendants(root):\n"
-        "    children = {}\n"
-        "    for entry in os.listdir('/proc'):\n"
-        "        if entry.isdigit():\n"
-        "            try:\n"
-        "                stat = open(f'/proc/{entry}/stat').read()\n"
-        "            except OSError:\n"
-        "                continue\n"
-        "            children.setdefault(int(stat.rsplit(')', 1)[1].split()[1]), []).append(int(entry))\n"
-        "    found, todo = [], [root]\n"
-        "    while todo:\n"
-        "        found.append(todo.pop())\n"
-        "        todo.extend(children.get(found[-1], []))\n"
-        "    return found\n"
-        "def forward(sig, frame):\n"
-        "    for pid in descendants(proc.pid) if proc is not None else []:\n"
-        "        try:\n"
-        "            os.kill(pid, sig)\n"
-        "        except ProcessLookupError:\n"
-        "            pass\n"
-        "signal.signal(signal.SIGUSR1, forward)\n"
-        "signal.signal(signal.SIGTERM, forward)\n"
-        "proc = subprocess.Popen(task, env=dict(os.environ, SLURM_NODEID='0'), start_new_session=True)\n"
-        "open(os.path.join(os.environ['FAKE_LOG'], 'step.pgid'), 'w').write(str(proc.pid))\n"
-        "rc = proc.wait()\n"
-        "sys.exit(rc if rc >= 0 else 128 - rc)\n"
-    )
-    # The torchrun agent: records how it was started, runs one trainer process and returns its status.
-    (bin_dir / "torchrun").write_text(
-        f"#!{py}\n"
-        "import json, os, signal, subprocess, sys\n"
-        "log = os.environ['FAKE_LOG']\n"
-        "json.dump({'argv': sys.argv[1:], 'NR_RUN_ID': os.environ.get('NR_RUN_ID'),\n"
-        "           'NODE_RANK': os.environ.get('NODE_RANK'),\n"
-        "           'usr1_ignored': signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN},\n"
-        "          open(os.path.join(log, 'torchrun.json'), 'w'))\n"
-        "signal.signal(signal.SIGTERM, lambda *_: None)\n"
-        "trainer = subprocess.Popen([sys.executable, os.environ['FAKE_TRAINER']], start_new_session=True)\n"
-        "sys.exit(trainer.wait())\n"
-    )
-    # The trainer: on SIGUSR1 or SIGTERM it "saves" and exits with FAKE_EXIT_ON_SIGNAL.
-    (tmp_path / "trainer.py").write_text(
-        "import os, signal, sys, time\n"
-        "log = os.environ['FAKE_LOG']\n"
-        "got = []\n"
-        "signal.signal(signal.SIGUSR1, lambda *_: got.append('USR1'))\n"
-        "signal.signal(signal.SIGTERM, lambda *_: got.append('TERM'))\n"
-        "open(os.path.join(log, 'trainer.pid'), 'w').write(str(os.getpid()))\n"
-        "open(os.path.join(log, 'ready'), 'w').close()\n"
-        "if os.environ['FAKE_MODE'] == 'finish':\n"
-        "    sys.exit(0)\n"
-        "deadline = time.monotonic() + 20\n"
-        "while not got and time.monotonic() < deadline:\n"
-        "    time.sleep(0.02)\n"
-        # Copies of the signal may still be on their way (the script and srun both forward it). The
-        # recipe ignores repeats while it saves; this stand-in exits at once, and Python's exit would
-        # put back the default action, which a late copy of SIGUSR1 turns into a death by signal.
-        "signal.signal(signal.SIGUSR1, signal.SIG_IGN)\n"
-        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-        "open(os.path.join(log, 'signals'), 'w').write(','.join(got))\n"
-        "sys.exit(int(os.environ['FAKE_EXIT_ON_SIGNAL']) if got else 3)\n"
-    )
-    for exe in ("scontrol", "srun", "torchrun"):
+    python = f"#!{sys.executable}\n"
+    for exe, text in (("scontrol", _SCONTROL), ("srun", python + _SRUN), ("torchrun", python + _TORCHRUN)):
+        (bin_dir / exe).write_text(text)
         (bin_dir / exe).chmod(0o755)
+    (tmp_path / "trainer.py").write_text(_TRAINER)
     return bin_dir
 
 
