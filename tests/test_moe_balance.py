@@ -169,7 +169,7 @@ def test_bias_updates_bring_a_skewed_load_down(tmp_path):
     data = _skewed_data(tmp_path / "skewed.jsonl")
     # A small LR keeps the routers nearly where they start, so the bias alone moves the load.
     common = [*SHORT, "trainer.max_steps=50", f"data.train_file={data}", "data.val_file=null", "optim.lr=1e-5",
-              "checkpoint.save_final=false", "trainer.global_batch_size=2", "trainer.preflight=false"]
+              "checkpoint.save_final=false", "trainer.global_batch_size=2"]
     imbalance = {}
     for rate in (0.0, 0.01):
         run(compose_run(tmp_path / str(rate), *common, f"moe.bias_update_rate={rate}"))
