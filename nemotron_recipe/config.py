@@ -23,6 +23,7 @@ from nemotron_recipe.distributed.env import launched_world_size
 from nemotron_recipe.distributed.plan import ParallelConfigError, ParallelPlan, check_experts_split
 from nemotron_recipe.models.nemotron_v3.checkpoint import CheckpointError, checkpoint_weight_dtypes, weight_file_problem
 from nemotron_recipe.models.nemotron_v3.config import ModelConfigError, NemotronHConfig
+from nemotron_recipe.models.nemotron_v3.lora import DEFAULT_TARGETS
 
 WANDB_MODES = ("disabled", "offline", "online")
 DEVICES = ("auto", "cpu", "cuda")
@@ -242,9 +243,6 @@ class CheckpointConfig:
 
 
 PEFT_METHODS = ("none", "lora")
-# The default LoRA targets: every linear projection of every block kind, routed experts included
-# (models/nemotron_v3/lora.py matches them against module names).
-LORA_TARGETS = ["*.in_proj", "*.out_proj", "*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj", "*.up_proj", "*.down_proj"]
 
 
 @dataclass
@@ -258,7 +256,7 @@ class PeftConfig:
     rank: int = 8
     alpha: float = 32.0
     dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     base_dtype: str = "bf16"
     init_from: Optional[str] = None
 

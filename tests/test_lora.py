@@ -23,6 +23,7 @@ from nemotron_recipe.models.nemotron_v3.lora import (
     add_adapters,
     freeze_base,
     init_adapters,
+    match_targets,
     set_full_values,
 )
 from nemotron_recipe.training.checkpoint import read_meta
@@ -118,6 +119,18 @@ def test_adapters_cover_every_block_kind_and_start_as_the_base():
             model_module._grouped_mm_supported = supported
     assert not torch.equal(grouped, before)
     torch.testing.assert_close(grouped, per_expert, rtol=1e-5, atol=1e-5)
+
+
+def test_default_targets_adapt_the_block_kinds_a_model_has():
+    """Each default pattern names some block kinds' projections: a model without those kinds is no
+    error, as long as the defaults match something; a pattern a user names must match."""
+    model = NemotronHForCausalLM(NemotronHConfig(pattern="M-", **SMALL_DIMS))
+    adapted = add_adapters(model, LoRASpec())
+    assert {name.rsplit(".", 1)[-1] for name in adapted} == {"in_proj", "out_proj", "up_proj", "down_proj"}
+    with pytest.raises(LoRAError, match=r"pattern '\*\.q_proj' matches no module"):
+        match_targets(model, ("*.in_proj", "*.q_proj"))
+    with pytest.raises(LoRAError, match="the default patterns match no module of this model"):
+        match_targets(torch.nn.Sequential(torch.nn.Linear(4, 4)), LoRASpec().target_modules)
 
 
 def test_compiled_blocks_with_adapters_match_eager():
@@ -240,24 +253,42 @@ def test_lora_checkpoint_is_a_small_fraction_of_a_full_one(tmp_path):
 
 
 # ------------------------------------------------------------------ PEFT format
-def test_exported_adapter_loads_in_peft_and_merge_in_transformers(tmp_path, base_dir, trained):
+def _exports_match_peft(out: Path, base_dir: Path, checkpoint: Path) -> dict:
+    """Exports `checkpoint` as a PEFT adapter and merged; both, loaded onto transformers' NemotronH of
+    `base_dir`, give our logits. Returns the adapter's config."""
     import peft
 
-    export_hf(trained, tmp_path / "adapter")
-    export_hf(trained, tmp_path / "merged", merge=True)
-    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert config["target_parameters"] == ["experts.up_proj", "experts.down_proj"]
-    assert config["base_model_name_or_path"] == str(base_dir.resolve())
+    export_hf(checkpoint, out / "adapter")
+    export_hf(checkpoint, out / "merged", merge=True)
     x = ids()
     with torch.no_grad():
-        ours = ours_with_adapters(trained)(x).logits
+        ours = ours_with_adapters(checkpoint)(x).logits
         base = hf_model(base_dir)
         assert (base(x).logits - ours).abs().max() > 100 * LOGITS_ATOL  # the adapters do change the model
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+            adapted = peft.PeftModel.from_pretrained(base, str(out / "adapter")).eval()
         torch.testing.assert_close(adapted(x).logits, ours, rtol=0, atol=LOGITS_ATOL)
-        torch.testing.assert_close(hf_model(tmp_path / "merged")(x).logits, ours, rtol=0, atol=LOGITS_ATOL)
+        torch.testing.assert_close(hf_model(out / "merged")(x).logits, ours, rtol=0, atol=LOGITS_ATOL)
+    return json.loads((out / "adapter" / "adapter_config.json").read_text())
+
+
+def test_exported_adapter_loads_in_peft_and_merge_in_transformers(tmp_path, base_dir, trained):
+    config = _exports_match_peft(tmp_path, base_dir, trained)
+    assert config["target_parameters"] == ["experts.up_proj", "experts.down_proj"]
+    assert config["base_model_name_or_path"] == str(base_dir.resolve())
+
+
+def test_latent_moe_projections_are_default_targets_and_export(tmp_path):
+    """LatentMoE's projections to and from the experts' width are linear projections of the MoE block:
+    the default targets adapt them, and the adapter loads in peft like the others."""
+    base_dir = tmp_path / "base"
+    torch.manual_seed(0)
+    NemotronHForCausalLM(NemotronHConfig.from_preset("tiny", moe_latent_size=64)).save_pretrained(str(base_dir))
+    summary = lora_run(tmp_path / "run", "peft=lora", "peft.base_dtype=fp32", f"model.pretrained={base_dir}",
+                       "trainer.max_steps=3")
+    config = _exports_match_peft(tmp_path, base_dir, Path(summary["checkpoint"]))
+    assert {"fc1_latent_proj", "fc2_latent_proj"} <= {m.rsplit(".", 1)[-1] for m in config["target_modules"]}
 
 
 def test_export_cli_refuses_merge_of_a_full_checkpoint(tmp_path):

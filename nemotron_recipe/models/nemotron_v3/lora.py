@@ -49,9 +49,11 @@ from .config import ModelConfigError, NemotronHConfig
 from .kernels import linear_cross_entropy_sum
 from .model import Experts, LMHead, NemotronHForCausalLM, expert_matmul, local
 
-# Every linear projection of every block kind; routed experts (`experts.up_proj`) included.
+# Every linear projection of every block kind; routed experts (`experts.up_proj`) and LatentMoE's
+# projections to and from the experts' width included. Each pattern names the projections of some
+# block kinds, and a model without those kinds has none: of the defaults only one need match.
 DEFAULT_TARGETS = ("*.in_proj", "*.out_proj", "*.q_proj", "*.k_proj", "*.v_proj", "*.o_proj", "*.up_proj",
-                   "*.down_proj")
+                   "*.down_proj", "*.fc1_latent_proj", "*.fc2_latent_proj")
 # Path components that mark a parameter as an adapter's.
 ADAPTER_PARTS = ("lora_A", "lora_B", "lora")
 # PEFT's names of an embedding's adapter factors (parameters, not modules: no `.weight`).
@@ -220,19 +222,24 @@ def _generic(names: Iterable[str]) -> list[str]:
 
 
 def match_targets(model: nn.Module, patterns: Iterable[str]) -> list[str]:
-    """The candidate names the glob `patterns` match; a pattern that matches nothing is an error naming
-    what it could have matched. The default patterns leave `lm_head` and the embedding out: they are
+    """The candidate names the glob `patterns` match. A pattern that matches nothing is an error naming
+    what it could have matched, unless it is one of the default set (`DEFAULT_TARGETS`), which need only
+    match something as a whole. The default patterns leave `lm_head` and the embedding out: they are
     adapted only when a pattern names them."""
+    patterns = tuple(patterns)
     names = candidates(model)
     found: list[str] = []
     for pattern in patterns:
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
-        if not hits:
+        if not hits and patterns != DEFAULT_TARGETS:
             raise LoRAError(
                 f"peft.target_modules: pattern {pattern!r} matches no module. Fix: use glob patterns over "
                 f"these names: {_generic(names)}."
             )
         found += [h for h in hits if h not in found]
+    if not found:
+        raise LoRAError(f"peft.target_modules: the default patterns match no module of this model. Fix: name "
+                        f"glob patterns over these names: {_generic(names)}.")
     return [n for n in names if n in found]
 
 

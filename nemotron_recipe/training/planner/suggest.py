@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from nemotron_recipe.config import LORA_TARGETS
 from nemotron_recipe.distributed.plan import (
     ActivationCheckpointing,
     ParallelConfigError,
@@ -62,7 +61,7 @@ def _memory_candidates(launch: Launch) -> Iterator[tuple[str, Callable[[Launch],
     if not p.offload and launch.device == "cuda":
         yield "fsdp=bf16_offload", lambda x: with_plan(x, param_dtype=torch.bfloat16, offload=True)
     if launch.trainability.lora is None:
-        spec = LoRASpec(8, 32.0, 0.0, tuple(LORA_TARGETS))
+        spec = LoRASpec()  # what `peft=lora` runs: its defaults
         yield "peft=lora", lambda x: dataclasses.replace(
             x, trainability=dataclasses.replace(x.trainability, lora=spec, base_dtype=torch.bfloat16))
     if w.micro_batch > 1:
