@@ -23,7 +23,7 @@ from nemotron_recipe.distributed.env import launched_world_size
 from nemotron_recipe.distributed.plan import ParallelConfigError, ParallelPlan, check_experts_split
 from nemotron_recipe.models.nemotron_v3.checkpoint import CheckpointError, checkpoint_weight_dtypes, weight_file_problem
 from nemotron_recipe.models.nemotron_v3.config import ModelConfigError, NemotronHConfig
-from nemotron_recipe.models.nemotron_v3.lora import DEFAULT_TARGETS
+from nemotron_recipe.models.nemotron_v3.lora import DEFAULT_TARGETS, LoRAError, lora_spec_problem
 
 WANDB_MODES = ("disabled", "offline", "online")
 DEVICES = ("auto", "cpu", "cuda")
@@ -497,8 +497,6 @@ def _peft_problems(cfg: Any) -> list[str]:
     _check_path(errors, "peft.init_from", p.init_from, allow_dir=True)
     if errors:
         return errors
-    from nemotron_recipe.models.nemotron_v3.lora import LoRAError, lora_spec_problem
-
     try:
         problem = lora_spec_problem(build_model_config(cfg.model), p.rank, p.alpha, p.dropout, list(p.target_modules),
                                     tp=int(cfg.mesh.tp))
