@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from nemotron_recipe.training.loss import cross_entropy_sum
+
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 
@@ -42,6 +44,16 @@ def compose_run(run_dir: Path, *overrides: str, base: list[str] = RUN_BASE):
 
 def metrics_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def loss_and_grads(model: torch.nn.Module, ids: torch.Tensor, document_ids: torch.Tensor | None = None):
+    """From fresh gradients: the mean next-token loss of `ids` (targets rolled by one) and a copy of
+    every trainable parameter's gradient, by name."""
+    model.zero_grad(set_to_none=True)
+    loss_sum, count = cross_entropy_sum(model(ids, document_ids=document_ids).logits, torch.roll(ids, -1, dims=1))
+    loss = loss_sum / count
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def perturb_off_init(model: torch.nn.Module) -> None:

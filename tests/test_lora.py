@@ -29,10 +29,9 @@ from nemotron_recipe.models.nemotron_v3.lora import (
 from nemotron_recipe.training.checkpoint import read_meta
 from nemotron_recipe.training.finetune import run
 from nemotron_recipe.training.hf_io import export_hf
-from nemotron_recipe.training.loss import cross_entropy_sum
 from nemotron_recipe.training.lora import load_adapters, load_base, read_peft_adapter
 
-from helpers import PREFLIGHT_ON, RUN_BASE, SMALL_DIMS, compose_run, metrics_rows
+from helpers import PREFLIGHT_ON, RUN_BASE, SMALL_DIMS, compose_run, loss_and_grads, metrics_rows
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).parent / "distributed" / "lora_worker.py"
@@ -149,16 +148,10 @@ def test_compiled_blocks_with_adapters_match_eager():
                 p.add_(0.1 * torch.randn_like(p))
     x = torch.randint(0, SMALL_DIMS["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(3))
 
-    def loss_and_grads():
-        model.zero_grad(set_to_none=True)
-        loss_sum, count = cross_entropy_sum(model(x).logits, torch.roll(x, -1, dims=1))
-        (loss_sum / count).backward()
-        return loss_sum.detach() / count, {n: p.grad.clone() for n, p in adapter_parameters(model).items()}
-
-    eager_loss, eager_grads = loss_and_grads()
+    eager_loss, eager_grads = loss_and_grads(model, x)  # the adapters' alone: the base is frozen
     try:
-        assert compile_blocks(model, probe=loss_and_grads)
-        loss, grads = loss_and_grads()
+        assert compile_blocks(model, probe=lambda: loss_and_grads(model, x))
+        loss, grads = loss_and_grads(model, x)
     finally:
         torch._dynamo.reset()
     assert len(eager_grads) == 24  # A and B of 12 projections: every block kind and the routed experts

@@ -26,7 +26,7 @@ from nemotron_recipe.models.nemotron_v3.ssd import ssd_chunked, ssd_naive
 from nemotron_recipe.training.compile import compile_blocks
 from nemotron_recipe.training.loss import cross_entropy_sum
 
-from helpers import SMALL_DIMS, scan_inputs
+from helpers import SMALL_DIMS, loss_and_grads, scan_inputs
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -181,15 +181,9 @@ def test_model_fast_ops_match_plain_ops(docs, monkeypatch):
     ids = torch.randint(0, 64, (2, 40))
     doc = torch.tensor([[0] * 17 + [1] * 23, [0] * 40]) if docs else None
 
-    def loss_and_grads():
-        model.zero_grad(set_to_none=True)
-        loss_sum, count = cross_entropy_sum(model(ids, document_ids=doc).logits, torch.roll(ids, -1, dims=1))
-        (loss_sum / count).backward()
-        return (loss_sum / count).detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    fast_loss, fast = loss_and_grads()
+    fast_loss, fast = loss_and_grads(model, ids, doc)
     monkeypatch.setattr(Mamba2Mixer, "fast_ops", False)
-    plain_loss, plain = loss_and_grads()
+    plain_loss, plain = loss_and_grads(model, ids, doc)
     assert abs(fast_loss.item() - plain_loss.item()) <= 1e-6 * abs(plain_loss.item())
     for name, g in plain.items():
         assert _rel(fast[name], g) <= 1e-5, name
@@ -225,9 +219,9 @@ def test_cuda_model_matches_cpu_model():
     torch.manual_seed(0)
     model = NemotronHForCausalLM(NemotronHConfig(pattern="M*-E", **SMALL_DIMS))
     ids = torch.randint(0, 64, (2, 40))
-    loss_cpu, grads_cpu = _loss_and_grads(model, ids)
+    loss_cpu, grads_cpu = loss_and_grads(model, ids)
     model.cuda()
-    loss_gpu, grads_gpu = _loss_and_grads(model, ids.cuda())
+    loss_gpu, grads_gpu = loss_and_grads(model, ids.cuda())
     from nemotron_recipe.models.nemotron_v3.kernels import _triton_scan
 
     tf32 = _triton_scan() is not None  # the Triton scan's TF32 products (TF32_SCAN_TOL)
@@ -339,22 +333,13 @@ def test_chunked_loss_refuses_dtensors():
 # ------------------------------------------------------------------------------------------ compile
 
 
-def _loss_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    targets = torch.roll(ids, -1, dims=1)
-    loss_sum, count = cross_entropy_sum(model(ids).logits, targets)
-    loss = loss_sum / count
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 def test_compiled_blocks_match_eager():
     torch.manual_seed(0)
     model = NemotronHForCausalLM(NemotronHConfig(pattern="M*", **SMALL_DIMS))
     ids = torch.randint(0, 64, (2, 16))
-    loss0, grads0 = _loss_and_grads(model, ids)
-    assert compile_blocks(model, probe=lambda: _loss_and_grads(model, ids))
-    loss1, grads1 = _loss_and_grads(model, ids)
+    loss0, grads0 = loss_and_grads(model, ids)
+    assert compile_blocks(model, probe=lambda: loss_and_grads(model, ids))
+    loss1, grads1 = loss_and_grads(model, ids)
     assert abs(loss1.item() - loss0.item()) <= 1e-5 * abs(loss0.item())
     for name, g in grads0.items():
         assert _rel(grads1[name], g) <= 1e-4, name
@@ -368,12 +353,12 @@ def test_compile_failure_falls_back_with_a_warning(caplog):
     torch.manual_seed(0)
     model = NemotronHForCausalLM(NemotronHConfig(pattern="-", **SMALL_DIMS))
     ids = torch.randint(0, 64, (2, 16))
-    loss0, _ = _loss_and_grads(model, ids)
+    loss0, _ = loss_and_grads(model, ids)
     with caplog.at_level(logging.WARNING):
-        ok = compile_blocks(model, probe=lambda: _loss_and_grads(model, ids), backend=broken_backend)
+        ok = compile_blocks(model, probe=lambda: loss_and_grads(model, ids), backend=broken_backend)
     assert not ok
     assert "running the blocks eagerly" in caplog.text and "no compiler on this machine" in caplog.text
-    loss1, _ = _loss_and_grads(model, ids)
+    loss1, _ = loss_and_grads(model, ids)
     assert loss1.item() == loss0.item()
     torch._dynamo.reset()
 
