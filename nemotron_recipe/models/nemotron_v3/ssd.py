@@ -64,21 +64,8 @@ def ssd_chunked(
     # 2. Each chunk's contribution to the state at its end.
     chunk_states = _chunk_end_states(B, xdt, a_cum, doc)
 
-    # 3. Carry states across chunks: a short sequential recurrence over c chunk boundaries.
-    chunk_decay = torch.exp(a_cum[..., -1])  # [b,c,g,r]
-    if doc is not None:
-        # The state entering chunk k belongs to the document open at the end of chunk k-1; it
-        # survives chunk k only if that document is still open at chunk k's end.
-        doc_in = torch.cat([doc[:, :1, :1].expand(b, 1, 1), doc[:, :-1, -1:]], dim=1)  # [b,c,1]
-        chunk_decay = chunk_decay * (doc[..., -1:] == doc_in)[..., None]
-    prev = _states_entering_chunks(chunk_states, chunk_decay)  # [b,c,g,r,p,n]
-
-    # 4. The carried-in state's contribution to every position of the chunk.
-    y_prev = torch.einsum("bcign,bcgrpn->bcigrp", C, prev)
-    decay_from_start = torch.exp(a_cum).permute(0, 1, 4, 2, 3)  # [b,c,q,g,r]
-    if doc is not None:
-        decay_from_start = decay_from_start * (doc == doc_in)[..., None, None]
-    y = y + y_prev * decay_from_start[..., None]
+    # 3. The earlier chunks' part: their states carried across chunk boundaries, then read by C.
+    y = y + _from_earlier_chunks(C, chunk_states, a_cum, doc)
 
     y = y.reshape(b, c * q, h, p)[:, :l]
     return y + D_term
@@ -106,6 +93,25 @@ def _chunk_end_states(B: torch.Tensor, xdt: torch.Tensor, a_cum: torch.Tensor,
         decay_to_end = decay_to_end * (doc == doc[..., -1:])[:, :, None, None]
     xdt_to_end = xdt * decay_to_end.permute(0, 1, 4, 2, 3)[..., None]
     return torch.einsum("bcjgn,bcjgrp->bcgrpn", B, xdt_to_end)
+
+
+def _from_earlier_chunks(C: torch.Tensor, chunk_states: torch.Tensor, a_cum: torch.Tensor,
+                         doc: torch.Tensor | None) -> torch.Tensor:
+    """Each position's output from the chunks before its own (of its document): the state entering
+    each chunk, by a short sequential recurrence over the c chunk boundaries, decayed to the position
+    and read by C. C [b,c,q,g,n], chunk_states [b,c,g,r,p,n], a_cum [b,c,g,r,q] -> [b,c,q,g,r,p]."""
+    chunk_decay = torch.exp(a_cum[..., -1])  # [b,c,g,r]
+    if doc is not None:
+        # The state entering chunk k belongs to the document open at the end of chunk k-1; it
+        # survives chunk k only if that document is still open at chunk k's end.
+        doc_in = torch.cat([doc[:, :1, :1], doc[:, :-1, -1:]], dim=1)  # [b,c,1]
+        chunk_decay = chunk_decay * (doc[..., -1:] == doc_in)[..., None]
+    prev = _states_entering_chunks(chunk_states, chunk_decay)  # [b,c,g,r,p,n]
+    y_prev = torch.einsum("bcign,bcgrpn->bcigrp", C, prev)
+    decay_from_start = torch.exp(a_cum).permute(0, 1, 4, 2, 3)  # [b,c,q,g,r]
+    if doc is not None:
+        decay_from_start = decay_from_start * (doc == doc_in)[..., None, None]
+    return y_prev * decay_from_start[..., None]
 
 
 def _pad_sequence(pad: int, x, dt, B, C, document_ids):
