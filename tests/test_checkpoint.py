@@ -308,9 +308,10 @@ def test_bad_checkpoints_fail_clearly_and_nothing_is_overwritten(small_run, tmp_
     run_dir = copy_run(small_run, tmp_path / "run")
     step = run_dir / "checkpoints" / "step_000002"
     overrides = ["trainer.max_steps=4", "trainer.val_every=0"]
+    hidden = NemotronHConfig.from_preset("tiny").hidden_size
     if case == "other_model":
         overrides.append("model.hidden_size=64")
-        needles = [str(step), "another model", "hidden_size: 128 in the checkpoint, 64 in this run"]
+        needles = [str(step), "another model", f"hidden_size: {hidden} in the checkpoint, 64 in this run"]
     elif case == "missing_file":
         (step / "__0_0.distcp").unlink()
         needles = [str(step), "missing file", "__0_0.distcp"]
@@ -320,7 +321,7 @@ def test_bad_checkpoints_fail_clearly_and_nothing_is_overwritten(small_run, tmp_
         meta["model"]["vocab_size"] = 1024
         (step / "meta.json").write_text(json.dumps(meta))
         overrides.append("model.vocab_size=1024")
-        needles = [str(step), "shapes differ", "model.embeddings.weight", "(512, 128), (1024, 128)"]
+        needles = [str(step), "shapes differ", "model.embeddings.weight", f"(512, {hidden}), (1024, {hidden})"]
     elif case == "resume_none":
         overrides.append("checkpoint.resume=none")
         needles = ["already holds checkpoints", "step_000002", "checkpoint.resume=auto"]

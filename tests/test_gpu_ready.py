@@ -113,7 +113,7 @@ def _documents(b: int, l: int) -> torch.Tensor:
 def test_conv_wrapper_hands_the_kernel_aligned_input_tensor_parallel(fake_conv, monkeypatch, tp):
     """tp = n_groups leaves a rank one group: its conv input is a strided slice of the projection."""
     mixer = _local_mixer(tp)
-    hidden = torch.randn(2, 40, 128)
+    hidden = torch.randn(2, 40, mixer.in_proj.in_features)
     docs = _documents(2, 40)
     out = mixer(hidden.requires_grad_(), document_ids=docs)
     out.sum().backward()

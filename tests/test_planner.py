@@ -139,16 +139,18 @@ class _CountingAllToAll(activations._BalancedRouting):
 
 
 # (model, mesh, ac, dtype, micro-batch x tokens, all-to-alls counted by hand, bytes each). tiny: one MoE
-# block of 8 experts, top-2 routing, hidden 128. Recomputation (full, selective) runs its exchanges again.
+# block of 8 experts, top-2 routing, rows of the hidden width H. Recomputation (full, selective) runs its
+# exchanges again.
+H = ODD_TINY.hidden_size
 LATENT_MTP_TINY = dataclasses.replace(NemotronHConfig.from_preset("tiny"), moe_latent_size=32,
                                       num_nextn_predict_layers=1)
 EP_CASES = {
-    # 512 rows over 2 ranks: 256 sent, 128 fp32 each.
-    "ep2": (ODD_TINY, "dp_shard=4,ep=2", "none", "fp32", (2, 128), 4, 256 * 128 * 4),
+    # 512 rows over 2 ranks: 256 sent, H fp32 each.
+    "ep2": (ODD_TINY, "dp_shard=4,ep=2", "none", "fp32", (2, 128), 4, 256 * H * 4),
     # 254 rows over 4 ranks as 64, 64, 63, 63: rank 0 keeps 64 and sends 190.
-    "ep4_uneven_full_ac": (ODD_TINY, "dp_shard=4,ep=4", "full", "fp32", (1, 127), 6, 190 * 128 * 4),
+    "ep4_uneven_full_ac": (ODD_TINY, "dp_shard=4,ep=4", "full", "fp32", (1, 127), 6, 190 * H * 4),
     # tp 2 with sequence parallel: each tp rank routes its own half of the sequence, 256 rows, sends 128.
-    "tp2_sp": (ODD_TINY, "dp_shard=2,tp=2,sequence_parallel=true,ep=2", "none", "fp32", (2, 128), 4, 128 * 128 * 4),
+    "tp2_sp": (ODD_TINY, "dp_shard=2,tp=2,sequence_parallel=true,ep=2", "none", "fp32", (2, 128), 4, 128 * H * 4),
     # Latent MoE with an MTP layer (pattern *E): two MoE blocks, rows of the latent width 32 in bf16.
     "latent_mtp_selective": (LATENT_MTP_TINY, "dp_shard=2,ep=2", "selective", "bf16", (2, 64), 12, 128 * 32 * 2),
 }
@@ -173,16 +175,18 @@ def test_expert_all_to_all_bytes_are_what_the_traced_step_sends(case, monkeypatc
 
 def test_moe_gradients_are_all_reduced_over_tp_only_under_sequence_parallel():
     """Whole MoE blocks on every tp rank: with sequence parallel each routes its own tokens, so the
-    blocks' FSDP gradient shards (one block: 2 x 8 experts x 64 x 128 + router + shared expert, over
-    dp_shard 2, fp32) are all-reduced over the 2 tp ranks per micro-batch; without, nothing."""
+    blocks' FSDP gradient shards (one block: up and down of 8 experts, the router's 8 rows and the shared
+    expert, over dp_shard 2, fp32) are all-reduced over the 2 tp ranks per micro-batch; without, nothing."""
     from nemotron_recipe.training.planner.comms import moe_tp_bytes
     from nemotron_recipe.training.planner.state import StateBytes
 
     config = NemotronHConfig.from_preset("tiny")
-    per_block = 2 * 8 * 64 * 128 + 8 * 128 + 2 * 128 * 128
+    h, experts = config.hidden_size, config.n_routed_experts
+    per_block = (2 * experts * config.moe_intermediate_size * h + experts * h
+                 + 2 * h * config.moe_shared_expert_intermediate_size)
     full = StateBytes(params=1, grads=1)
     sp = plan_for("dp_shard=2,tp=2,sequence_parallel=true", 4, "none", "fp32", 128)
-    assert config.pattern.count("E") == 1 and config.moe_intermediate_size == 64
+    assert config.pattern.count("E") == 1 and experts == 8
     assert moe_tp_bytes(config, sp, full, micro_batches=3) == 3 * 2 * (per_block / 2 * 4) / 2
     assert moe_tp_bytes(config, plan_for("dp_shard=2,tp=2", 4, "none", "fp32", 128), full, 3) == 0
 
@@ -197,7 +201,7 @@ def test_expert_parallel_activations_do_not_grow_with_the_world():
     planner = Planner(config, work)
     plans = {w: plan_for(f"dp_shard={w},ep=2", w, "none", "fp32", 128) for w in (2, 4, 8)}
     acts = {w: planner.estimate(plan).activations for w, plan in plans.items()}
-    assert max(acts.values()) - min(acts.values()) <= 0.01 * acts[2], acts
+    assert max(acts[4], acts[8]) <= 1.01 * acts[2], acts
     with fake_world(8):
         whole = trace(config, plans[8], plans[8].build_meshes("cpu"), work)
     assert abs(whole.peak - planner.estimate(plans[8]).trace.peak) <= 0.03 * whole.peak
@@ -242,12 +246,13 @@ def test_predicted_peak_within_15_percent_of_measured_rss_one_process():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("mesh, models", [("dp_shard=2", "tiny,h1024"), ("tp=2", "tiny,h1024"), ("dp_shard=2,ep=2", "tiny")])
-def test_predicted_peak_within_15_percent_of_measured_rss_two_ranks(mesh, models):
-    """tiny and h1024 on fsdp 2 and tp 2, and tiny under expert parallel over the 2 ranks (each rank's
-    experts receive its peer's rows as the balanced trace assumes; the tiny model routes near-evenly)."""
+@pytest.mark.parametrize("mesh", ["dp_shard=2", "tp=2", "dp_shard=2,ep=2"])
+def test_predicted_peak_within_15_percent_of_measured_rss_two_ranks(mesh):
+    """tiny on fsdp 2, tp 2 and under expert parallel over the 2 ranks (each rank's experts receive its
+    peer's rows as the balanced trace assumes; the tiny model routes near-evenly). h1024's two-rank rows
+    are the benchmark's (README): a two-rank h1024 step takes over a minute on two cores."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    rows = _measured_rows(torchrun, models, mesh)
+    rows = _measured_rows(torchrun, "tiny", mesh)
     assert all(abs(predicted - measured) <= 0.15 * measured for predicted, measured in rows), rows
 
 

@@ -339,10 +339,16 @@ def _released(
 # the same model from scratch (benchmarks, smoke tests on real sizes).
 PRESETS: dict[str, NemotronHConfig] = {
     # Small enough to fine-tune on two CPU cores in a couple of minutes, yet with every block kind and
-    # head/group counts that divide by 2 and 4 for tensor and context parallel. Its init std is
-    # 1/sqrt(hidden): the released shapes' 0.02 suits widths in the thousands, and at width 128 it
-    # leaves a frozen random head logits of +-2.5 at most, too flat for adapters below it to learn.
-    "tiny": NemotronHConfig(pattern="M*M-ME", initializer_range=128**-0.5),
+    # head/group counts that divide by 2 and 4 for tensor and context parallel. Its widths keep the
+    # released models' proportions where a rank-8 adapter is concerned (every projection at least
+    # 256 wide on one side, the MLP and experts wider than the residual): at hidden 128 rank 8 would
+    # add 9% to the model, not the fraction of a percent it adds to a released one. Its init std is
+    # 1/sqrt(hidden): the released shapes' 0.02 suits widths in the thousands; at a few hundred it
+    # leaves a frozen random head's logits within +-0.02 x hidden, too flat for adapters to learn.
+    "tiny": NemotronHConfig(
+        pattern="M*M-ME", hidden_size=256, intermediate_size=1024, head_dim=32, mamba_head_dim=64,
+        moe_intermediate_size=512, moe_shared_expert_intermediate_size=512, initializer_range=256**-0.5,
+    ),
     "nemotron_h_8b": _released(
         "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
         hidden=4096, ffn=21504, heads=32, kv=8, m_heads=128, m_head_dim=64, groups=8, state=128,
