@@ -193,9 +193,10 @@ def test_moe_gradients_are_all_reduced_over_tp_only_under_sequence_parallel():
 
 def test_expert_parallel_activations_do_not_grow_with_the_world():
     """At a fixed per-rank batch a rank's experts receive as many rows at any world size; more ranks
-    only shard each expert further (ep_shard), whose gathered weights are transient like any unit's.
-    An 18-block MoE model is extrapolated from its reduced trace, and the result held to the whole
-    trace at the largest world."""
+    only shard each expert further (ep_shard), whose gathered weights are transient like any unit's,
+    and whose gradient shards (part of an MoE block's backward peak) shrink: the peak may fall with the
+    world, never rise. An 18-block MoE model is extrapolated from its reduced trace, and the result
+    held to the whole trace at the largest world."""
     config = dataclasses.replace(ODD_TINY, pattern="ME" * 9)
     work = Workload(2, 128)
     planner = Planner(config, work)
