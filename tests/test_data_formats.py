@@ -111,6 +111,16 @@ def test_every_format_gives_the_same_examples(tmp_path, tok, fmt):
     assert (ex.input_ids, ex.targets) == (reference.input_ids, reference.targets)
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_utf8_bom_at_the_start_is_accepted(tmp_path, tok, suffix):
+    """Editors on Windows save UTF-8 with a byte-order mark; the rows are those of the file without it."""
+    reference = load_sft_examples(write(tmp_path / f"ref{suffix}", PAIRS), tok, seq_len=64)
+    path = tmp_path / f"bom{suffix}"
+    path.write_bytes(b"\xef\xbb\xbf" + (tmp_path / f"ref{suffix}").read_bytes())
+    ex = load_sft_examples(path, tok, seq_len=64)
+    assert (ex.input_ids, ex.targets) == (reference.input_ids, reference.targets) and len(ex) == len(PAIRS)
+
+
 @pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet"])
 def test_chat_rows_train_exactly_the_assistant_turns(tmp_path, tok, fmt):
     path = write(tmp_path / f"chat.{fmt}", [{"messages": c} for c in CHATS])

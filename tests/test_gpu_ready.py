@@ -7,6 +7,7 @@ GPU check script's plan. Tests that need a GPU are marked `cuda` (test_perf.py h
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import subprocess
 import sys
@@ -562,3 +563,76 @@ def test_cuda_training_step_has_no_host_sync(monkeypatch):
         model(ids, targets=ids, loss_chunk_size=64, document_ids=docs).loss_sum.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+# ------------------------------------------------------------------------------------------ GPU check carry
+# What travels to a lent GPU machine is limited to 64 MiB, working tree included.
+WHEELS_LIMIT = 20 * 2**20
+# A pin this environment does not have is counted at this much: every pure-Python wheel of the list is
+# below it, and the large binary ones (pyarrow, pandas) come with `datasets` in the dev install.
+UNMEASURED_WHEEL = 2**20
+
+
+def _installed_size(name: str) -> int | None:
+    """Bytes the distribution `name` occupies installed (an upper bound on its compressed wheel), or None."""
+    import importlib.metadata as metadata
+
+    try:
+        dist = metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        return None
+    return sum(p.stat().st_size for f in dist.files or [] if (p := Path(dist.locate_file(f))).is_file())
+
+
+def test_gpu_check_wheels_fit_the_carry():
+    proc = _gpu_check("--dry-run", WHEELS="/nonexistent")
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("wheels --download fetches:"))
+    pins = line.split(":", 1)[1].split()
+    names = [p.split("==")[0].lower() for p in pins]
+    assert "hydra-core" in names and "pytest" in names, pins
+    assert not {"datasets", "pyarrow", "pandas"} & set(names), pins
+    sizes = {n: _installed_size(n) for n in names}
+    total = sum(UNMEASURED_WHEEL if s is None else s for s in sizes.values())
+    assert total <= WHEELS_LIMIT, sizes
+
+
+# In the children below these are missing, as on an image without them.
+_BLOCK_IMPORTS = """
+import importlib.abc, importlib.util, runpy, sys
+class Missing(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("datasets", "pyarrow", "pandas"):
+            return importlib.util.spec_from_loader(name, self)  # no origin: torch's probes pass over it
+    def create_module(self, spec):
+        raise ModuleNotFoundError(f"No module named {spec.name!r} (hidden)", name=spec.name)
+sys.meta_path.insert(0, Missing())
+"""
+
+
+def test_default_run_and_gpu_check_need_neither_pyarrow_nor_pandas(tmp_path):
+    """The GPU check's modules import, and a default run trains, with datasets, pyarrow and pandas missing;
+    a Parquet source then asks for the install line."""
+    modules = ["benchmarks.throughput", "recipes.export", "recipes.plan", "nemotron_recipe.training.finetune"]
+    code = _BLOCK_IMPORTS + f"""
+import importlib
+for m in {modules!r}:
+    importlib.import_module(m)
+sys.argv = ["recipes.finetune", "hydra.run.dir={tmp_path / 'run'}", "trainer.max_steps=2", "trainer.val_every=0",
+            "data.val_max_batches=1", "trainer.preflight=false", "logger.console.progress_bar=false"]
+runpy.run_module("recipes.finetune", run_name="__main__")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 2
+    parquet = tmp_path / "rows.parquet"
+    parquet.write_bytes(b"PAR1")
+    code = _BLOCK_IMPORTS + f"""
+from nemotron_recipe.data import Columns, DataError, load_rows
+try:
+    load_rows({str(parquet)!r}, field_name="data.train_file", cols=Columns())
+except DataError as e:
+    print(e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300).stdout
+    assert f"data.train_file={str(parquet)!r}: reading a parquet file needs the `datasets` package" in out, out
+    assert "pip install -e '.[datasets]' -c constraints.txt" in out

@@ -58,12 +58,10 @@ def tokenize_rows(
 ) -> SFTExamples:
     """Render and tokenize `rows` (or the rows at `indices`, in that order) into examples."""
     order = list(range(len(rows))) if indices is None else list(indices)
-    ds = rows.dataset.select_columns(list(cols.required))
     out = SFTExamples(input_ids=[], targets=[])
     for lo in range(0, len(order), _CHUNK):
         chunk = order[lo : lo + _CHUNK]
-        batch = ds[chunk] if indices is not None else ds[lo : lo + len(chunk)]
-        as_rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+        as_rows = rows.take(chunk, cols.required)
         conversations = [turns_of(r, cols) for r in as_rows]
         where = [rows.where(i) for i in chunk]
         encode_examples(formatter.encode(conversations, where), seq_len, max_length_policy, out)

@@ -1,8 +1,9 @@
 """Where SFT rows come from: local JSONL / JSON / Parquet / CSV files or Hugging Face hub datasets.
 
-Every source is read through `datasets`, but each row is checked here first (or, for formats
-`datasets` reads in bulk, right after) so that a malformed row is reported with its file and
-row number and a fix, rather than as a pyarrow error deep inside a loader.
+JSON Lines and JSON files are read here, row by row, so that a malformed row is reported with its
+file and line and a fix. Parquet, CSV and hub datasets are read through `datasets` (an optional
+dependency, imported only for them: it brings pyarrow and pandas) and each row is checked right after,
+rather than reported as a pyarrow error deep inside a loader.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-import datasets
-
 FILE_FORMATS = ("jsonl", "json", "parquet", "csv")
 FORMATS = (*FILE_FORMATS, "hub")
 _EXTENSIONS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}
-# `datasets` names its JSON Lines builder "json".
-_BUILDERS = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}
+_BUILDERS = {"parquet": "parquet", "csv": "csv"}  # `datasets` builders of the file formats it reads
+# The line that installs `datasets`, which Parquet, CSV and hub sources need.
+DATASETS_INSTALL = "pip install -e '.[datasets]' -c constraints.txt"
+_BOM = b"\xef\xbb\xbf"
 # A hub dataset id: "org/name", nothing that looks like a relative path to a data file.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 ROLES = ("system", "user", "assistant")
@@ -64,13 +65,21 @@ class Columns:
 
 @dataclass
 class Rows:
-    """Validated rows and how to name row `i` in an error message."""
+    """Validated rows and how to name row `i` in an error message. `dataset`: the rows of a JSON Lines or
+    JSON file as a list of dicts, or a `datasets.Dataset` for the formats `datasets` reads."""
 
-    dataset: datasets.Dataset
+    dataset: Any
     where: Callable[[int], str]
 
     def __len__(self) -> int:
         return len(self.dataset)
+
+    def take(self, indices: list[int], keys: tuple[str, ...]) -> list[dict[str, Any]]:
+        """The rows at `indices`, each with the columns `keys` only."""
+        if isinstance(self.dataset, list):
+            return [{k: self.dataset[i][k] for k in keys} for i in indices]
+        batch = self.dataset.select_columns(list(keys))[indices]
+        return [dict(zip(batch, values)) for values in zip(*batch.values())]
 
 
 # ------------------------------------------------------------------------------- resolving sources
@@ -223,8 +232,21 @@ def turns_of(row: dict[str, Any], cols: Columns) -> list[dict[str, str]]:
 
 
 # ------------------------------------------------------------------------------- loading
+def import_datasets(field_name: str, value: str, kind: str) -> Any:
+    """The `datasets` package, or a DataError naming the source that needs it and the install line."""
+    try:
+        import datasets
+    except ImportError as e:
+        what = "a Hugging Face hub dataset" if kind == "hub" else f"a {kind} file"
+        raise DataError(
+            f"{field_name}={value!r}: reading {what} needs the `datasets` package (with pyarrow and pandas), "
+            f"which is not installed ({e}). Fix: {DATASETS_INSTALL}, or convert the data to a .jsonl file."
+        ) from e
+    return datasets
+
+
 @contextlib.contextmanager
-def _quiet_datasets() -> Iterator[None]:
+def _quiet_datasets(datasets: Any) -> Iterator[None]:
     # Every rank loads the data, so per-load progress bars would flood the logs.
     was_disabled = datasets.utils.are_progress_bars_disabled()
     datasets.utils.disable_progress_bars()
@@ -257,13 +279,16 @@ def _decode_line(raw: bytes, path: Path, line_no: int) -> str:
         raise _utf8_error(path, line_no, 0, e) from e
 
 
-def _check_jsonl(path: Path, cols: Columns) -> list[int]:
-    """Check every line; returns the line number of each row (blank lines hold none)."""
+def _check_jsonl(path: Path, cols: Columns) -> tuple[list[Any], list[int]]:
+    """Check every line; returns the rows and the line number of each (blank lines hold none)."""
+    rows: list[Any] = []
     line_of_row: list[int] = []
     # Read as bytes and decoded line by line: a text-mode reader decodes ahead in blocks, so its
     # UnicodeDecodeError would surface on an earlier line than the one holding the bad byte.
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
+            if line_no == 1 and raw.startswith(_BOM):  # editors on Windows start UTF-8 files with a BOM
+                raw = raw[len(_BOM):]
             line = _decode_line(raw, path, line_no)
             if not line.strip():
                 continue
@@ -275,13 +300,17 @@ def _check_jsonl(path: Path, cols: Columns) -> list[int]:
                     "complete JSON object, or remove this line."
                 ) from e
             check_row(row, f"{path}:{line_no}", cols)
+            rows.append(row)
             line_of_row.append(line_no)
-    return line_of_row
+    return rows, line_of_row
 
 
-def _check_json(path: Path, cols: Columns) -> list[str]:
-    """Check every row of a JSON array (or of JSON Lines saved as .json); returns each row's location."""
+def _check_json(path: Path, cols: Columns) -> tuple[list[Any], list[str]]:
+    """Check every row of a JSON array (or of JSON Lines saved as .json); returns the rows and each
+    row's location."""
     data = path.read_bytes()
+    if data.startswith(_BOM):
+        data = data[len(_BOM):]
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -295,8 +324,9 @@ def _check_json(path: Path, cols: Columns) -> list[str]:
                 f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno}). Fix: the file must be one "
                 "JSON array of row objects (or JSON Lines, one object per line)."
             ) from e
-        # Many .json files are JSON Lines in disguise, and `datasets` reads them as such.
-        return [f"{path}:{line}" for line in _check_jsonl(path, cols)]
+        # Many .json files are JSON Lines in disguise.
+        rows, lines = _check_jsonl(path, cols)
+        return rows, [f"{path}:{line}" for line in lines]
     if not isinstance(rows, list):
         raise DataError(
             f"{path}: expected a JSON array of row objects, got a JSON {type(rows).__name__}. Fix: store the "
@@ -305,10 +335,10 @@ def _check_json(path: Path, cols: Columns) -> list[str]:
     where = [f"{path}: row {i + 1}" for i in range(len(rows))]
     for row, w in zip(rows, where):
         check_row(row, w, cols)
-    return where
+    return rows, where
 
 
-def _check_dataset(ds: datasets.Dataset, label: str, cols: Columns) -> None:
+def _check_dataset(ds: Any, label: str, cols: Columns) -> None:
     missing = [k for k in cols.required if k not in ds.column_names]
     if missing:
         raise DataError(
@@ -357,38 +387,44 @@ def load_rows(
             f"{field_name}={value!r}: cannot tell the format from the extension {p.suffix!r}. Fix: set "
             f"data.format to one of {list(FILE_FORMATS)}."
         )
-    where: Callable[[int], str] = lambda i: f"{p}: row {i + 1}"  # noqa: E731
     if kind in ("jsonl", "json"):
-        # Checked before `datasets` sees the file: its JSON reader names neither line nor key.
+        # Read here rather than by `datasets`: its JSON reader names neither line nor key.
         if kind == "jsonl":
-            locations = [f"{p}:{line}" for line in _check_jsonl(p, cols)]
+            records, lines = _check_jsonl(p, cols)
+            locations = [f"{p}:{line}" for line in lines]
         else:
-            locations = _check_json(p, cols)
-        if not locations:
+            records, locations = _check_json(p, cols)
+        if not records:
             raise _no_rows(field_name, value, cols)
-        where = locations.__getitem__
-    elif _has_no_rows(p, kind):
+        return Rows(records, locations.__getitem__)
+    return _load_table(p, kind, field_name=field_name, value=value, cols=cols)
+
+
+def _load_table(p: Path, kind: str, *, field_name: str, value: str, cols: Columns) -> Rows:
+    """A Parquet or CSV file, read through `datasets`."""
+    datasets = import_datasets(field_name, value, kind)
+    if _has_no_rows(p, kind):
         # `datasets` fails on row-less Parquet and CSV files with errors that do not say so.
         raise _no_rows(field_name, value, cols)
     try:
-        with _quiet_datasets():
+        with _quiet_datasets(datasets):
             ds = datasets.load_dataset(_BUILDERS[kind], data_files=str(p), split="train")
     except Exception as e:  # pyarrow and pandas raise many unrelated types for unreadable files
         raise DataError(
             f"{field_name}={value!r}: `datasets` could not read it as {kind} ({type(e).__name__}: {e}). "
             f"Fix: check the file is valid {kind}, or set data.format to its real format."
         ) from e
-    if kind in ("csv", "parquet"):
-        _check_dataset(ds, str(p), cols)
+    _check_dataset(ds, str(p), cols)
     if len(ds) == 0:
         raise _no_rows(field_name, value, cols)
-    return Rows(ds, where)
+    return Rows(ds, lambda i: f"{p}: row {i + 1}")
 
 
 def _load_hub(name: str, *, field_name: str, cols: Columns, split: str) -> Rows:
     split_field = "data.val_split" if field_name == "data.val_file" else "data.train_split"
+    datasets = import_datasets(field_name, name, "hub")
     try:
-        with _quiet_datasets():
+        with _quiet_datasets(datasets):
             ds = datasets.load_dataset(name, split=split)
     except Exception as e:  # offline, unknown name, unknown split, gated...: all end the same way
         raise DataError(
