@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
-import hydra
-from omegaconf import DictConfig
+# Before anything imports torch: OpenMP reads its thread settings once, when torch loads it.
+from nemotron_recipe.training.threads import choose_threads
+
+THREADS = choose_threads()
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 # Importing the config module registers the schema and resolvers that conf/finetune.yaml uses.
-from nemotron_recipe.config import ConfigError
-from nemotron_recipe.data import DataError
-from nemotron_recipe.distributed import MeshError, ParallelConfigError
-from nemotron_recipe.distributed.env import DistributedSetupError
-from nemotron_recipe.models.nemotron_v3 import CheckpointError, ModelConfigError
-from nemotron_recipe.training.nonfinite import NonFiniteError
-from nemotron_recipe.training.planner.preflight import PreflightError
+from nemotron_recipe.config import ConfigError  # noqa: E402
+from nemotron_recipe.data import DataError  # noqa: E402
+from nemotron_recipe.distributed import MeshError, ParallelConfigError  # noqa: E402
+from nemotron_recipe.distributed.env import DistributedSetupError  # noqa: E402
+from nemotron_recipe.models.nemotron_v3 import CheckpointError, ModelConfigError  # noqa: E402
+from nemotron_recipe.training.nonfinite import NonFiniteError  # noqa: E402
+from nemotron_recipe.training.planner.preflight import PreflightError  # noqa: E402
 
 # Mistakes in the settings or inputs, and a diverged run, get their message alone; a traceback would
 # only bury it.
@@ -27,8 +33,11 @@ _USER_ERRORS = (
 
 @hydra.main(version_base=None, config_path="../conf", config_name="finetune")
 def main(cfg: DictConfig) -> None:
+    import torch
+
     from nemotron_recipe.training.finetune import run
 
+    logging.getLogger("nemotron_recipe").info("%s", THREADS.describe(torch.get_num_threads()))
     try:
         run(cfg)
     except _USER_ERRORS as e:
