@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 import typing
 from dataclasses import dataclass, field
@@ -21,7 +22,12 @@ from omegaconf.errors import InterpolationResolutionError
 
 from nemotron_recipe.distributed.env import launched_world_size
 from nemotron_recipe.distributed.plan import ParallelConfigError, ParallelPlan, check_experts_split
-from nemotron_recipe.models.nemotron_v3.checkpoint import CheckpointError, checkpoint_weight_dtypes, weight_file_problem
+from nemotron_recipe.models.nemotron_v3.checkpoint import (
+    CheckpointError,
+    checkpoint_weight_dtypes,
+    safetensors_file_problem,
+    weight_file_problem,
+)
 from nemotron_recipe.models.nemotron_v3.config import ModelConfigError, NemotronHConfig
 from nemotron_recipe.models.nemotron_v3.lora import DEFAULT_TARGETS, LoRAError, lora_spec_problem
 
@@ -495,6 +501,8 @@ def _peft_problems(cfg: Any) -> list[str]:
     if p.base_dtype not in ("bf16", "fp32"):
         errors.append(f"peft.base_dtype={p.base_dtype!r}: unknown. Fix: use bf16 or fp32.")
     _check_path(errors, "peft.init_from", p.init_from, allow_dir=True)
+    if p.init_from and not errors and (problem := adapter_problem(Path(p.init_from).expanduser())):
+        errors.append(f"peft.init_from={p.init_from!r}: {problem}")
     if errors:
         return errors
     try:
@@ -503,6 +511,19 @@ def _peft_problems(cfg: Any) -> list[str]:
     except (ModelConfigError, LoRAError) as e:
         problem = str(e)
     return [problem] if problem else []
+
+
+def adapter_problem(path: Path) -> str | None:
+    """Why the PEFT adapter directory `path` cannot be read (a file missing or cut short), or None."""
+    config, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
+    try:
+        json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        return (f"{config} is not readable JSON ({type(e).__name__}: {e}). Fix: point peft.init_from at a PEFT "
+                "adapter directory (adapter_config.json, adapter_model.safetensors), or copy the adapter again.")
+    if problem := safetensors_file_problem(weights):
+        return f"{problem}. Fix: copy or export the adapter again; its weights file is incomplete."
+    return None
 
 
 def _method_problems(p: Any) -> list[str]:

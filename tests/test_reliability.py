@@ -23,7 +23,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from nemotron_recipe.config import ConfigError
 from nemotron_recipe.models.nemotron_v3 import PRESETS, CheckpointError, NemotronHForCausalLM
-from nemotron_recipe.training.checkpoint import complete_checkpoints, file_checksums, find_checkpoint
+from nemotron_recipe.training.checkpoint import (
+    acquire_lock,
+    complete_checkpoints,
+    file_checksums,
+    find_checkpoint,
+    release_lock,
+)
 from nemotron_recipe.training.finetune import Trainer, run
 from nemotron_recipe.training.hf_io import (
     build_meta_model,
@@ -43,7 +49,9 @@ DIVERGING = [*SHORT, "optim.lr=100", "trainer.max_steps=8"]
 
 
 def cli(module: str, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
+    """`python -m module args`; a module starting with "-" is an interpreter option, and `args` go on."""
+    argv = [module, *args] if module.startswith("-") else ["-m", module, *args]
+    return subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -260,8 +268,10 @@ def test_export_refuses_a_non_empty_dir_and_overwrite_replaces_the_old_model_fil
     assert "--overwrite" in str(info.value)
     assert sorted(p.name for p in out.iterdir()) == ["model-00001-of-00002.safetensors", "model.safetensors.index.json"]
 
-    proc = cli("recipes.export", str(one_step), str(out), "--overwrite")
+    # Every warning an error: DCP's "torch.distributed is disabled" came from reading without a process group.
+    proc = cli("-W", "error::UserWarning", "-m", "recipes.export", str(one_step), str(out), "--overwrite")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Warning" not in proc.stderr, proc.stderr
     assert not (out / "model.safetensors.index.json").exists() and not (out / "model-00001-of-00002.safetensors").exists()
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
 
@@ -389,6 +399,22 @@ def test_a_second_run_on_the_same_dir_is_refused_and_a_dead_runs_lock_taken_over
     assert any(f"lock of pid {dead.pid}" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("content", [b"\x00\x17garbage", b"", b"{\"host\": \"h", b"[1, 2]"])
+def test_a_lock_naming_no_run_is_taken_over_as_stale_with_a_warning(tmp_path, caplog, content):
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    lock = ckpts / ".lock"
+    lock.write_bytes(content)
+    old = time.time() - 60  # not one being written this instant
+    os.utime(lock, (old, old))
+    with caplog.at_level("WARNING"):
+        taken = acquire_lock(ckpts)
+    assert json.loads(taken.read_text())["pid"] == os.getpid()
+    assert any("names no run" in r.getMessage() and str(lock) in r.getMessage() for r in caplog.records)
+    release_lock(taken)
+    assert not lock.exists()
+
+
 # ---------------------------------------------------------------------------------------- disk
 def test_a_disk_without_room_is_refused_before_the_first_step_and_stale_tmp_removed(tmp_path, monkeypatch):
     ckpts = tmp_path / "run" / "checkpoints"
@@ -414,3 +440,55 @@ def test_a_full_disk_during_a_save_says_no_space_left(tmp_path, monkeypatch, fai
         run(compose_run(tmp_path / "run", *SHORT, "trainer.max_steps=1"))
     assert "no space left" in str(info.value) and "free now" in str(info.value), info.value
     assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp-*"))
+
+
+def test_export_to_a_full_disk_names_the_sizes_and_leaves_the_directory_as_it_was(tmp_path, one_step, monkeypatch):
+    from safetensors import SafetensorError
+
+    out = tmp_path / "hf"
+    real_disk_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 1000, 1000))
+    with pytest.raises(CheckpointError) as info:
+        export_hf(one_step, out)
+    for needle in (f"{out}: no space left on the device before writing", "needs about", "0.0 MiB free",
+                   "Nothing was written", "Fix:"):
+        assert needle in str(info.value), info.value
+    assert not out.exists()
+    needed = float(str(info.value).split("needs about ")[1].split(" MiB")[0])
+    assert needed >= 4 * PRESETS["tiny"].vocab_size * PRESETS["tiny"].hidden_size / 2**20  # the embedding alone
+
+    monkeypatch.setattr(shutil, "disk_usage", real_disk_usage)
+    export_hf(one_step, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def fills_the_disk(self, directory, *args, **kwargs):
+        Path(directory, "model.safetensors").write_bytes(b"cut short")
+        raise SafetensorError('Error while serializing: I/O error: No space left on device (os error 28)')
+
+    monkeypatch.setattr(NemotronHForCausalLM, "save_pretrained", fills_the_disk)
+    with pytest.raises(CheckpointError, match=r"no space left on the device while writing: the export needs about "
+                                              r"[\d.]+ MiB, [\d.]+ MiB free"):
+        export_hf(one_step, out, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the earlier export, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no staging directory left behind
+
+
+def test_a_truncated_adapter_for_init_from_is_refused_naming_the_file(tmp_path):
+    from safetensors.torch import save_file
+
+    from nemotron_recipe.config import validate_config
+    from nemotron_recipe.models.nemotron_v3.lora import LoRAError, LoRASpec
+    from nemotron_recipe.training.lora import read_peft_adapter
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 32}))
+    weights = adapter / "adapter_model.safetensors"
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64)}, str(weights))
+    weights.write_bytes(weights.read_bytes()[:-100])  # a copy cut short
+    with pytest.raises(ConfigError) as info:
+        validate_config(compose_run(tmp_path / "run", "peft=lora", f"peft.init_from={adapter}"))
+    for needle in (f"peft.init_from={str(adapter)!r}", f"{weights}: not a whole safetensors file", "Fix:"):
+        assert needle in str(info.value), info.value
+    with pytest.raises(LoRAError, match=f"peft.init_from={str(adapter)!r}: not a readable PEFT adapter"):
+        read_peft_adapter(adapter, PRESETS["tiny"], LoRASpec(8, 32.0, 0.0, ("lm_head",)), {})

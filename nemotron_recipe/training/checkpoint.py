@@ -23,6 +23,8 @@ position is the step alone: the batch plan is a pure function of it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import datetime
 import errno
@@ -35,7 +37,7 @@ import socket
 import time
 import uuid
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -58,6 +60,9 @@ TMP_MARK = ".tmp-"
 # `step_N`, or `step_N-<lineage>` when another lineage already holds `step_N` (a branch).
 _FINAL_NAME = re.compile(r"^step_(\d+)(?:-[0-9a-f]{12})?$")
 LOCK = ".lock"
+# Between creating a lock and writing its record a run takes microseconds; an unreadable lock younger
+# than this may be one being written.
+_LOCK_WRITE_GRACE_S = 2.0
 # The lineage of checkpoints written before lineages were recorded: they count as one of their own.
 LEGACY_LINEAGE = "unrecorded"
 # Adam's two moments in fp32 per parameter element, on top of the parameters themselves.
@@ -140,10 +145,28 @@ def _read_lock(lock: Path) -> dict[str, Any]:
         return {}
 
 
+def _lock_holder(lock: Path) -> dict[str, Any] | None:
+    """The run recorded in `lock`, or None when it records none (garbage, cut short, emptied). A lock
+    created this instant may not hold its record yet, so a young unreadable one is read again."""
+    deadline = time.monotonic() + _LOCK_WRITE_GRACE_S
+    while True:
+        holder = _read_lock(lock)
+        if "host" in holder and "pid" in holder:
+            return holder
+        try:
+            young = time.time() - lock.stat().st_mtime < _LOCK_WRITE_GRACE_S
+        except OSError:
+            young = False
+        if not young or time.monotonic() > deadline:
+            return None
+        time.sleep(0.1)
+
+
 def acquire_lock(root: Path) -> Path:
     """Creates `root/.lock` (host, pid, start time) so that no second run writes into `root` while this
     one does: two runs would delete each other's saves. A lock of a dead process on this host is taken
-    over with a warning; any other existing lock is refused, naming its holder. Also the first proof
+    over with a warning, and so is one that names no run (unreadable); any other existing lock is refused,
+    naming its holder. Also the first proof
     that `root` is writable, before any heavy work."""
     lock = root / LOCK
     mine = {"host": socket.gethostname(), "pid": os.getpid(),
@@ -154,7 +177,12 @@ def acquire_lock(root: Path) -> Path:
             try:
                 fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                holder = _read_lock(lock)
+                holder = _lock_holder(lock)
+                if holder is None:
+                    log.warning("checkpoint.dir %s: the lock file %s names no run (its content cannot be read); "
+                                "taking it over as stale", root, lock)
+                    lock.unlink(missing_ok=True)
+                    continue
                 stale = holder.get("host") == mine["host"] and isinstance(holder.get("pid"), int) \
                     and not _process_alive(holder["pid"])
                 if not stale:
@@ -276,6 +304,39 @@ def check_model_config(path: Path, meta: dict[str, Any], model_config: NemotronH
             f"{path}: saved for another model ({listed}). Fix: resume with the model settings it was saved "
             "with, or train afresh with checkpoint.resume=none and a checkpoint.dir of its own."
         )
+
+
+# The group of rank 0 alone while it reads a checkpoint for the others (`rank0_reads`).
+_RANK0_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("rank0_group", default=None)
+
+
+@contextlib.contextmanager
+def rank0_reads() -> Iterator[None]:
+    """Called on every rank around work in which rank 0 alone reads a checkpoint (`load_here`): opens
+    the group of rank 0 alone for it (creating a group takes every rank of the default group)."""
+    group = dist.new_group([0]) if dist.is_initialized() and dist.get_world_size() > 1 else None
+    token = _RANK0_GROUP.set(group)
+    try:
+        yield
+    finally:
+        _RANK0_GROUP.reset(token)
+
+
+def load_here(state: dict[str, Any], path: Path) -> None:
+    """`dcp.load` of `state` from `path` by this process alone. DCP then wants a process group of this
+    process only: the default group when its world is this process, rank 0's own group inside
+    `rank0_reads`, else one opened for the read (DCP's mode without any group warns that it assumes one)."""
+    group = _RANK0_GROUP.get()
+    if group is not None or (dist.is_initialized() and dist.get_world_size() == 1):
+        dcp.load(state, checkpoint_id=str(path), process_group=group)
+        return
+    if dist.is_initialized():  # a rank of a larger world outside `rank0_reads`
+        raise RuntimeError("load_here: a rank of a larger world reads a checkpoint alone only inside rank0_reads")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    finally:
+        dist.destroy_process_group()
 
 
 def read_dcp_metadata(path: Path) -> Metadata:

@@ -21,13 +21,16 @@ This module reads checkpoints through `checkpoint.py`; that module never imports
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
@@ -46,6 +49,8 @@ from nemotron_recipe.training.checkpoint import (
     Checkpointer,
     check_tensors,
     find_checkpoint,
+    load_here,
+    rank0_reads,
     read_dcp_metadata,
     read_meta,
     verify_checksums,
@@ -209,8 +214,7 @@ def load_checkpoint_model(checkpoint: str | Path) -> tuple[NemotronHForCausalLM,
     check_tensors(path, read_dcp_metadata(path), {"model": state})
     verify_checksums(path, meta)
     try:
-        # no_dist: a plain read in this process, whatever process group may exist around it.
-        dcp.load({"model": state}, checkpoint_id=str(path), no_dist=True)
+        load_here({"model": state}, path)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own type is not an Exception
         raise CheckpointError(f"{path}: loading failed: {type(e).__name__}: {e}") from None
     return model, meta, path
@@ -256,10 +260,12 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = 
             f"{path}: non-finite values in {bad[:6]}{' ...' if len(bad) > 6 else ''}; the run had diverged when it "
             "saved this checkpoint. Fix: export an earlier checkpoint."
         )
-    if out.is_dir():
-        _remove_model_files(out)
-    model.save_pretrained(str(out))
-    _save_tokenizer(meta, path, out)
+
+    def write(staging: Path) -> None:
+        model.save_pretrained(str(staging))
+        _save_tokenizer(meta, path, staging)
+
+    _publish(out, write, _tensor_bytes(model.state_dict().values()) + _tokenizer_bytes(meta))
     log.info("exported %s (step %d) to %s", path, meta["step"], out)
     return out
 
@@ -275,15 +281,74 @@ def _export_lora(path: Path, meta: dict[str, Any], out: Path, *, merge: bool) ->
         )
     verify_checksums(path, meta)
     read_dcp_metadata(path)
-    staged = export_lora(path, meta, merge=merge)  # everything is loaded and merged before a file is written
-    out.mkdir(parents=True, exist_ok=True)
-    _remove_model_files(out)
-    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
-        (out / name).unlink(missing_ok=True)
-    staged(out)
-    _save_tokenizer(meta, path, out)
+    staged, nbytes = export_lora(path, meta, merge=merge)  # all is loaded and merged before a file is written
+
+    def write(staging: Path) -> None:
+        staged(staging)
+        _save_tokenizer(meta, path, staging)
+
+    _publish(out, write, nbytes + _tokenizer_bytes(meta), replaces=(ADAPTER_CONFIG, ADAPTER_WEIGHTS))
     log.info("exported %s (step %d, LoRA%s) to %s", path, meta["step"], ", merged" if merge else "", out)
     return out
+
+
+def _tensor_bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _tokenizer_bytes(meta: dict[str, Any]) -> int:
+    tokenizer = Path(meta.get("tokenizer") or "")
+    files = [tokenizer] if tokenizer.is_file() else tokenizer.rglob("*") if tokenizer.is_dir() else []
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB"
+
+
+def _disk_full(error: BaseException) -> bool:
+    """Whether `error`, or an error behind it, is a full disk (safetensors reports it as text)."""
+    seen: list[BaseException] = []
+    while error is not None and not any(error is s for s in seen):
+        seen.append(error)
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC or "No space left" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _no_space(out: Path, needed: int, free: int, when: str) -> CheckpointError:
+    return CheckpointError(
+        f"{out}: no space left on the device {when}: the export needs about {_size(needed)}, {_size(free)} free. "
+        f"Nothing was written to {out}. Fix: free space there, or export to a disk with room."
+    )
+
+
+def _publish(out: Path, write: Callable[[Path], None], needed: int, replaces: tuple[str, ...] = ()) -> None:
+    """Writes the export with `write` into a new directory beside `out`, then moves its files into `out`:
+    a full disk or any failure leaves `out` as it was. Refused at once when the disk has less room than
+    `needed` bytes. An earlier export's weight files (and `replaces`) in `out` go only once the new ones
+    are complete."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if (free := shutil.disk_usage(out.parent).free) < needed:
+        raise _no_space(out, needed, free, "before writing")
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    try:
+        write(staging)
+    except BaseException as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, Exception) and _disk_full(e):
+            raise _no_space(out, needed, shutil.disk_usage(out.parent).free, "while writing") from None
+        raise
+    if not out.is_dir():
+        os.replace(staging, out)
+        return
+    _remove_model_files(out)
+    for name in replaces:
+        (out / name).unlink(missing_ok=True)
+    for file in staging.iterdir():
+        os.replace(file, out / file.name)
+    staging.rmdir()
 
 
 def _save_tokenizer(meta: dict[str, Any], path: Path, out: Path) -> None:
@@ -304,4 +369,5 @@ def export_run_checkpoint(checkpointer: Checkpointer, out_dir: Path) -> Path:
     source = checkpointer.last_saved or checkpointer.resume_from
     if source is None:
         raise CheckpointError("no checkpoint was saved or resumed by this run, so there is nothing to export")
-    return Path(checkpointer.on_rank0(lambda: str(export_hf(source, out_dir, overwrite=True))))
+    with rank0_reads():
+        return Path(checkpointer.on_rank0(lambda: str(export_hf(source, out_dir, overwrite=True))))

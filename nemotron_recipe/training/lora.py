@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from nemotron_recipe.models.nemotron_v3 import (
@@ -51,6 +50,7 @@ from nemotron_recipe.models.nemotron_v3.lora import (
     set_full_values,
     to_peft,
 )
+from nemotron_recipe.training.checkpoint import load_here
 
 log = logging.getLogger(__name__)
 
@@ -122,13 +122,14 @@ def read_peft_adapter(path: str | Path, model_cfg: NemotronHConfig, spec: LoRASp
                       params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A PEFT adapter directory's tensors in native names and layouts, checked against our adapters
     (`params`, by name): the same rank, alpha, projections and shapes, else a LoRAError naming them."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path).expanduser()
     try:
         config = json.loads((path / ADAPTER_CONFIG).read_text())
         tensors = load_file(str(path / ADAPTER_WEIGHTS))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:  # a file cut short is a SafetensorError
         raise LoRAError(f"peft.init_from={str(path)!r}: not a readable PEFT adapter ({e}). Fix: point it at a "
                         f"directory holding {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}.") from None
     if config.get("peft_type", "LORA") != "LORA" or int(config.get("r", -1)) != spec.rank \
@@ -163,7 +164,7 @@ def load_adapters(path: Path, meta: dict[str, Any]) -> tuple[NemotronHForCausalL
     add_adapters(model, LoRASpec(peft["rank"], peft["alpha"], peft["dropout"], tuple(peft["target_modules"])))
     values = {name: torch.empty(p.shape, dtype=p.dtype) for name, p in adapter_parameters(model).items()}
     try:
-        dcp.load({"model": values}, checkpoint_id=str(path), no_dist=True)
+        load_here({"model": values}, path)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own type is not an Exception
         raise CheckpointError(f"{path}: loading the adapters failed: {type(e).__name__}: {e}") from None
     return model, values
@@ -216,10 +217,10 @@ def _spec(meta: dict[str, Any]) -> LoRASpec:
     return LoRASpec(p["rank"], p["alpha"], p["dropout"], tuple(p["target_modules"]))
 
 
-def export_lora(path: Path, meta: dict[str, Any], *, merge: bool) -> Callable[[Path], None]:
+def export_lora(path: Path, meta: dict[str, Any], *, merge: bool) -> tuple[Callable[[Path], None], int]:
     """Loads a LoRA checkpoint (and its base where needed) and returns the function that writes it to a
-    directory: a PEFT adapter, or with `merge` a Hugging Face model with the adapters folded in. Every
-    error is raised here, before anything is written."""
+    directory, a PEFT adapter or with `merge` a Hugging Face model with the adapters folded in, and the
+    bytes of the tensors it writes. Every error is raised here, before anything is written."""
     model, values = load_adapters(path, meta)
     spec, config = _spec(meta), model.config
     bad = [n for n, t in values.items() if not bool(t.isfinite().all())]
@@ -229,7 +230,7 @@ def export_lora(path: Path, meta: dict[str, Any], *, merge: bool) -> Callable[[P
     if merge:
         base = load_base(meta, path)
         merge_into(base, values, spec)
-        return lambda out: base.save_pretrained(str(out))
+        return (lambda out: base.save_pretrained(str(out))), _nbytes(base.state_dict().values())
     modules, params, saved = peft_targets(config, meta["peft"]["adapted"])
     tensors = to_peft(config, values)
     if saved:  # Mamba2 out_proj: a merged copy of the projection, which PEFT loads as a module to save
@@ -240,7 +241,12 @@ def export_lora(path: Path, meta: dict[str, Any], *, merge: bool) -> Callable[[P
                                    spec.scaling)
             tensors[f"base_model.model.{name}.weight"] = merged.contiguous()
     base_path = meta["peft"]["base"].get("pretrained")
-    return lambda out: write_peft_adapter(out, tensors, spec, modules, params, saved, base_path)
+    return (lambda out: write_peft_adapter(out, tensors, spec, modules, params, saved, base_path)), \
+        _nbytes(tensors.values())
+
+
+def _nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def write_peft_adapter(out: Path, tensors: dict[str, torch.Tensor], spec: LoRASpec, modules: list[str],

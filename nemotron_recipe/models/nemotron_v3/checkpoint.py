@@ -206,6 +206,19 @@ def weight_file_problem(path: str | Path) -> str | None:
     )
 
 
+def safetensors_file_problem(path: str | Path) -> str | None:
+    """Why `path` is not a whole safetensors file (missing, cut short, a damaged header), or None. Reads
+    the header only: safetensors checks that it covers every byte of the file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except (OSError, SafetensorError) as e:
+        return f"{path}: not a whole safetensors file ({e})"
+    return None
+
+
 def read_safetensors(files: Iterable[str]) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
