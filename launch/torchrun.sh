@@ -16,7 +16,8 @@
 #   RDZV_ID         id shared by the nodes of one launch [NR_RUN_ID; required when NNODES > 1]
 #   NODE_RANK       this node's index; when set, node 0 hosts the rendezvous store [unset: torchrun
 #                   picks the node whose own address is MASTER_ADDR]
-#   NR_RUN_ID       run directory name, outputs/<date>/<NR_RUN_ID> [single node: the start time;
+#   NR_RUN_ID       run directory name, outputs/<NR_RUN_ID>; a named run keeps its directory from day to
+#                   day, so relaunching the same line resumes it [single node: <date>/<start time>;
 #                   several nodes: RDZV_ID]
 set -euo pipefail
 
@@ -79,9 +80,9 @@ fi
 torchrun_args=(--nnodes "$nnodes" --nproc-per-node "$nproc_per_node")
 if ((nnodes == 1)); then
     torchrun_args+=(--standalone)
-    # torchrun --standalone names its rendezvous with a random UUID; the start time reads better
-    # as a run directory and is shared by all local ranks through the environment.
-    run_id=${NR_RUN_ID:-$(date +%H-%M-%S)}
+    # torchrun --standalone names its rendezvous with a random UUID; the start date and time read
+    # better as a run directory and are shared by all local ranks through the environment.
+    run_id=${NR_RUN_ID:-$(date +%Y-%m-%d/%H-%M-%S)}
 else
     [[ -n ${MASTER_ADDR:-} ]] ||
         die "NNODES=$nnodes needs MASTER_ADDR, the address of the node that hosts the rendezvous."

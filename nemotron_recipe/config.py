@@ -63,13 +63,14 @@ def _agent_start_time() -> Optional[datetime.datetime]:
 
 
 def run_id() -> str:
-    """One name for this run that every rank computes identically.
+    """One name for this run that every rank computes identically: the run directory below `outputs/`.
 
     Each rank resolves Hydra's run dir on its own, so a per-process timestamp would scatter a
-    multi-rank run over several directories. `NR_RUN_ID` wins when set; under torchrun the
-    rendezvous id is shared by construction. torchrun without `--rdzv-id` reports the id
-    "none", which would make every such run share one directory, so the agent's start time
-    stands in for it.
+    multi-rank run over several directories. `NR_RUN_ID` wins when set, as it is: a named run keeps
+    its directory from one day to the next, so relaunching the same line resumes it. Otherwise the
+    name is `<date>/<id>`: under torchrun the rendezvous id, shared by construction; torchrun without
+    `--rdzv-id` reports the id "none", which would make every such run share one directory, so the
+    agent's start time stands in for it; a single process takes its start time.
     """
     explicit = os.environ.get("NR_RUN_ID")
     if explicit:
@@ -77,11 +78,11 @@ def run_id() -> str:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         rdzv = os.environ["TORCHELASTIC_RUN_ID"]
         if rdzv and rdzv != "none":
-            return rdzv
+            return f"{datetime.datetime.now():%Y-%m-%d}/{rdzv}"
         started = _agent_start_time()
         if started is not None:
-            return started.strftime("%H-%M-%S")
-    return datetime.datetime.now().strftime("%H-%M-%S")
+            return started.strftime("%Y-%m-%d/%H-%M-%S")
+    return datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
 
 
 def _register_resolvers() -> None:

@@ -115,7 +115,7 @@ def test_torchrun_single_node_dry_run(how: str) -> None:
 def test_torchrun_default_run_id_is_the_start_time() -> None:
     proc = _run(TORCHRUN_SH, "--dry-run")
     assert proc.returncode == 0, proc.stderr
-    assert re.fullmatch(r"NR_RUN_ID=\d\d-\d\d-\d\d", _words(proc.stdout)[0])
+    assert re.fullmatch(r"NR_RUN_ID=\d{4}-\d\d-\d\d/\d\d-\d\d-\d\d", _words(proc.stdout)[0])
 
 
 def _nproc(words: list[str]) -> int:

@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -248,12 +249,47 @@ def test_model_overrides_cover_every_model_field_and_apply(tmp_path):
     assert built == NemotronHConfig.from_preset("tiny", hidden_size=64, pattern="M*")
 
 
-def test_run_id_is_shared_by_torchrun_ranks(monkeypatch):
+def test_run_id_is_shared_by_torchrun_ranks_and_a_named_run_holds_no_date(monkeypatch):
     monkeypatch.delenv("NR_RUN_ID", raising=False)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc123")
-    assert run_id() == "abc123"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d/abc123", run_id())
     monkeypatch.setenv("NR_RUN_ID", "mine")
     assert run_id() == "mine"
+
+
+# Runs the recipe with the clock set to the date given as the first argument.
+_AT_DATE = """
+import datetime, runpy, sys
+day = datetime.datetime.fromisoformat(sys.argv.pop(1))
+class Clock(datetime.datetime):
+    @classmethod
+    def now(cls, tz=None):
+        return day
+datetime.datetime = Clock
+sys.argv[0] = "recipes.finetune"
+runpy.run_module("recipes.finetune", run_name="__main__")
+"""
+
+
+def test_relaunching_a_named_run_the_next_day_resumes_it(tmp_path):
+    """NR_RUN_ID names the run directory without a date: the same line after midnight finds the checkpoint."""
+    env = {**os.environ, "NR_RUN_ID": "nightly", "PYTHONPATH": str(REPO)}
+    line = [*TINY, "trainer.max_steps=2", "trainer.val_every=0", "checkpoint.every=1"]
+    days = []
+    for day, extra in (("2031-01-01T23:59:30", ["trainer.stop_at_step=1"]), ("2031-01-02T00:04:00", [])):
+        proc = subprocess.run([sys.executable, "-c", _AT_DATE, day, *line, *extra], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        days.append(json.loads((tmp_path / "outputs" / "nightly" / "summary.json").read_text()))
+    assert days[0]["stopped"] == "stop_at_step" and days[0]["steps"] == 1
+    assert days[1]["resumed_from"] == 1 and days[1]["steps"] == 2
+    assert sorted(p.name for p in (tmp_path / "outputs").iterdir()) == ["nightly"]
+    # Without a name, the run is filed under the (faked) date.
+    env.pop("NR_RUN_ID")
+    proc = subprocess.run([sys.executable, "-c", _AT_DATE, "2031-01-03T10:00:00", *line, "trainer.max_steps=1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "outputs" / "2031-01-03" / "10-00-00" / "summary.json").is_file()
 
 
 # ---------------------------------------------------------------------------------------- pieces
