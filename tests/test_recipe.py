@@ -17,6 +17,7 @@ from hydra.errors import ConfigCompositionException
 
 from nemotron_recipe.config import ConfigError, ModelConfig, build_model_config, run_id
 from nemotron_recipe.models.nemotron_v3.config import PRESETS, ModelConfigError, NemotronHConfig
+from nemotron_recipe.data import GlobalBatchPlan, load_sft_data, load_tokenizer
 from nemotron_recipe.training.finetune import run
 from nemotron_recipe.training.loss import cross_entropy_sum
 from nemotron_recipe.training.optim import clip_grad_norm_, lr_factor
@@ -64,6 +65,32 @@ def test_run_writes_metrics_summary_and_learns(tmp_path):
     assert on_disk["val_loss_ratio"] == pytest.approx(val[-1]["val_loss"] / val[0]["val_loss"])
     assert on_disk["run_dir"] == str(tmp_path)
     assert on_disk["tokens_per_s"] > 0 and on_disk["wall_time_s"] > 0
+    assert on_disk["final_validation"] == "done" and on_disk["last_val_step"] == 4
+
+    # Throughput counts real input tokens (no padding) and trained tokens, over the same seconds.
+    cfg = make_cfg(tmp_path)
+    data = load_sft_data(cfg.data, load_tokenizer(cfg.data.tokenizer), seq_len=cfg.trainer.seq_len, seed=cfg.seed)
+    plan = GlobalBatchPlan(len(data.train), cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size, 0, 1, cfg.seed)
+    steps = [i for s in range(4) for mb in plan.indices_for_step(s) for i in mb]
+    real = sum(len(data.train.input_ids[i]) for i in steps)
+    trained = sum(t != -100 for i in steps for t in data.train.targets[i])
+    assert real < 4 * cfg.trainer.global_batch_size * cfg.trainer.seq_len  # the shipped rows are shorter
+    assert on_disk["tokens_per_s"] / on_disk["trained_tokens_per_s"] == pytest.approx(real / trained, rel=1e-9)
+
+
+def test_a_stopped_run_skips_the_final_validation_and_says_so(tmp_path, capsys):
+    """No first = last: a run stopped before any later pass reports none, and the resumed run's end has it."""
+    stopped = run(make_cfg(tmp_path, "trainer.stop_at_step=1"))
+    assert stopped["stopped"] == "stop_at_step" and stopped["final_validation"] == "skipped"
+    assert stopped["first_val_loss"] is not None and stopped["last_val_loss"] is None
+    assert stopped["val_loss_ratio"] is None
+    printed = capsys.readouterr().out
+    assert "no later pass (the run stopped before one)" in printed and "final validation skipped" in printed
+    assert "ratio" not in printed
+    assert "tokens/s (real: padding left out)" in printed and "trained tokens/s (the loss's targets)" in printed
+    finished = run(make_cfg(tmp_path))
+    assert finished["final_validation"] == "done" and finished["last_val_step"] == 4
+    assert finished["first_val_loss"] == stopped["first_val_loss"]
 
 
 def test_loss_does_not_depend_on_micro_batching(tmp_path):

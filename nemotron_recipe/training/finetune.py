@@ -142,11 +142,15 @@ class Validator:
         self.writer.log_val({"step": step, "val_loss": val_loss, "elapsed_s": time.perf_counter() - self.started})
         return time.perf_counter() - began
 
-    def summary(self) -> dict[str, float | None]:
-        """The summary's validation entries: the first and last loss of the run and their ratio."""
+    def summary(self, *, final: bool) -> dict[str, Any]:
+        """The summary's validation entries: the run's first loss, its last one after that (None when no
+        pass followed the first) with its step, their ratio, and whether the final pass ran (`final`: the
+        run reached max_steps; a stopped run skips it, to end at once)."""
         first = self.history[0][1] if self.history else None
-        last = self.history[-1][1] if self.history else None
-        return {"first_val_loss": first, "last_val_loss": last, "val_loss_ratio": (last / first) if first else None}
+        last_step, last = self.history[-1] if len(self.history) > 1 else (None, None)
+        return {"first_val_loss": first, "last_val_loss": last, "last_val_step": last_step,
+                "val_loss_ratio": (last / first) if first and last is not None else None,
+                "final_validation": None if self.batches is None else ("done" if final else "skipped")}
 
 
 @dataclass
@@ -156,6 +160,7 @@ class StepResult:
 
     loss_sum: torch.Tensor  # this rank's token-loss sum over its micro-batches, detached
     trained_tokens: int  # the step's trained tokens over every rank: the loss's denominator
+    real_tokens: int  # the step's input tokens over every rank, padding left out
     lr: float  # the LR the step was taken with
     grad_norm: torch.Tensor  # the total gradient norm, before clipping
     skipped: bool = False  # not taken: its loss or gradient norm was not finite (trainer.nonfinite=skip)
@@ -330,8 +335,7 @@ class Trainer:
             cfg, self.model, self.val_data, layout=self.layout, device=self.env.device, writer=self.writer,
             history=earlier_val_losses(self.run_dir, self.start_step), started=self.started,
         )
-        self.metrics = TrainMetrics(self.writer, tokens_per_step=t.global_batch_size * t.seq_len,
-                                    log_every=t.log_every, max_steps=t.max_steps, started=self.started)
+        self.metrics = TrainMetrics(self.writer, log_every=t.log_every, max_steps=t.max_steps, started=self.started)
         # stop_at_step ends the run early but leaves the LR schedule to max_steps.
         self.end_step = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
         self.stop = StopConditions(max_minutes=t.max_minutes, started=self.started, device=self.env.device)
@@ -382,7 +386,7 @@ class Trainer:
         the run stops, or under `trainer.nonfinite=skip` the batch is dropped and the LR schedule
         moves on, so the schedule and the data position stay functions of the step."""
         micro_batches = [self._collate(indices) for indices in self.batch_plan.indices_for_step(step)]
-        trained_tokens = self._global_trained_tokens(micro_batches)
+        trained_tokens, real_tokens = self._global_token_counts(micro_batches)
         denominator = max(trained_tokens, 1)
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.env.device)
         mtp_loss_sum = torch.zeros_like(loss_sum) if self.mtp_depths else None
@@ -404,7 +408,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         # After the step, so the biases it moves route the next step's tokens.
         moe = self.balance.after_step(taken=finite) if self.balance else {}
-        return StepResult(loss_sum=loss_sum, trained_tokens=trained_tokens, lr=lr, grad_norm=grad_norm,
+        return StepResult(loss_sum=loss_sum, trained_tokens=trained_tokens, real_tokens=real_tokens, lr=lr,
+                          grad_norm=grad_norm,
                           skipped=not finite, mtp_loss_sum=mtp_loss_sum,
                           moe={k: v for k, v in moe.items() if k != "expert_load"} or None,
                           expert_load=moe.get("expert_load"))
@@ -420,21 +425,27 @@ class Trainer:
         if self.mtp_depths:  # shifted before the sequence is split: a cp rank lacks the tokens after its own
             batch["mtp_input_ids"], batch["mtp_targets"] = shift_for_mtp(
                 batch["input_ids"], batch["targets"], self.mtp_depths, batch.get("document_ids"), self.pad_id)
+        lengths = torch.tensor([len(self.data.train.input_ids[i]) for i in indices])
+        real = torch.arange(batch["input_ids"].shape[1]) < lengths[:, None]
         if self.balance.needs_token_mask:  # the MoE balance loss leaves padding out
-            lengths = torch.tensor([len(self.data.train.input_ids[i]) for i in indices])
-            batch["token_mask"] = torch.arange(batch["input_ids"].shape[1]) < lengths[:, None]
-        return {k: self.layout.shard(v) for k, v in batch.items()}
+            batch["token_mask"] = real
+        batch = {k: self.layout.shard(v) for k, v in batch.items()}
+        batch["real_tokens"] = self.layout.shard(real).sum()  # this rank's part of the sequences, unpadded
+        return batch
 
     def _mtp_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
         if "mtp_input_ids" not in batch:
             return None
         return batch["mtp_input_ids"].to(self.env.device), batch["mtp_targets"].to(self.env.device)
 
-    def _global_trained_tokens(self, micro_batches: list[dict[str, torch.Tensor]]) -> int:
-        """The step's trained tokens summed over every rank that holds different tokens."""
-        local = sum(int((b["targets"] != IGNORE_INDEX).sum()) for b in micro_batches)
-        counts = torch.tensor([local], dtype=torch.int64, device=self.env.device)
-        return int(_all_reduce_sum(counts, self.layout.token_group).item())
+    def _global_token_counts(self, micro_batches: list[dict[str, torch.Tensor]]) -> tuple[int, int]:
+        """The step's trained tokens and its real (unpadded) input tokens, each summed over every rank
+        that holds different tokens."""
+        trained = sum(int((b["targets"] != IGNORE_INDEX).sum()) for b in micro_batches)
+        real = sum(int(b.pop("real_tokens")) for b in micro_batches)
+        counts = torch.tensor([trained, real], dtype=torch.int64, device=self.env.device)
+        trained, real = _all_reduce_sum(counts, self.layout.token_group).tolist()
+        return int(trained), int(real)
 
     def _forward_backward(
         self, batch: dict[str, torch.Tensor], denominator: int
@@ -458,7 +469,7 @@ class Trainer:
     def log(self, result: StepResult) -> None:
         """Counts the step just done and writes its metrics row when one is due (the loss is summed
         over ranks for those steps only, and every skipped step gets one), then moves the progress bar."""
-        self.metrics.record(result.trained_tokens)
+        self.metrics.record(result.trained_tokens, result.real_tokens)
         if self.metrics.due(self.step) or result.skipped:
             sums = result.loss_sum if result.mtp_loss_sum is None else torch.stack([result.loss_sum, result.mtp_loss_sum])
             losses = _all_reduce_sum(sums, self.layout.token_group) / max(result.trained_tokens, 1)
@@ -507,7 +518,7 @@ class Trainer:
             "checkpoint": None if last_saved is None else str(last_saved),
             "hf_export": hf_dir,
             "skipped_steps": self.guard.skipped,
-            **self.validator.summary(),
+            **self.validator.summary(final=stopped is None),
             **self.metrics.summary(train_time),
             "wall_time_s": time.perf_counter() - self.started,
             "run_dir": str(self.run_dir),

@@ -130,21 +130,19 @@ class TrainMetrics:
     """The training rows of the metrics and the throughput totals of the summary.
 
     A row holds the loss, LR and gradient norm of its step and the throughput of the steps since
-    the previous row. Throughput counts input positions (padding included: what the model computes
-    on) and, separately, trained tokens. Seconds spent validating inside the loop are kept out of it
-    (`exclude`). Called on every rank with the same steps; only the main rank's writer writes.
+    the previous row: `tokens_per_s`, the real input tokens (padding left out), and
+    `trained_tokens_per_s`, the tokens the loss is taken on. Seconds spent validating inside the loop
+    are kept out of it (`exclude`). Called on every rank with the same steps; only the main rank's
+    writer writes.
     """
 
-    def __init__(
-        self, writer: MetricsWriter, *, tokens_per_step: int, log_every: int, max_steps: int, started: float
-    ) -> None:
+    def __init__(self, writer: MetricsWriter, *, log_every: int, max_steps: int, started: float) -> None:
         self.writer = writer
-        self.tokens_per_step = tokens_per_step  # input positions of one global batch
         self.log_every, self.max_steps = log_every, max_steps
         self.started = started  # the run's start: rows report the seconds since
         self.last_loss = float("nan")  # the newest row's loss; NaN while this run has written none
-        self.steps = self.total_trained = 0
-        self.window_steps = self.window_trained = 0
+        self.steps = self.total_trained = self.total_real = 0
+        self.window_steps = self.window_trained = self.window_real = 0
         self.excluded = 0.0
         self.train_start = self.window_start = time.perf_counter()
 
@@ -152,12 +150,15 @@ class TrainMetrics:
         """Starts the training clock: what came before (setup, the first validation) is not training."""
         self.train_start = self.window_start = time.perf_counter()
 
-    def record(self, trained_tokens: int) -> None:
-        """One more step done, which trained `trained_tokens` tokens over all ranks."""
+    def record(self, trained_tokens: int, real_tokens: int) -> None:
+        """One more step done, which read `real_tokens` input tokens (padding left out) and trained
+        `trained_tokens` of them, over all ranks."""
         self.steps += 1
         self.window_steps += 1
         self.window_trained += trained_tokens
         self.total_trained += trained_tokens
+        self.window_real += real_tokens
+        self.total_real += real_tokens
 
     def due(self, step: int) -> bool:
         return step == 1 or step % self.log_every == 0 or step == self.max_steps
@@ -182,12 +183,12 @@ class TrainMetrics:
             "lr": lr,
             "grad_norm": grad_norm,
             **(moe or {}),
-            "tokens_per_s": self.window_steps * self.tokens_per_step / window_s,
+            "tokens_per_s": self.window_real / window_s,
             "trained_tokens_per_s": self.window_trained / window_s,
             "elapsed_s": now - self.started,
             **({"skipped": True} if skipped else {}),
         })
-        self.window_start, self.window_steps, self.window_trained = now, 0, 0
+        self.window_start, self.window_steps, self.window_trained, self.window_real = now, 0, 0, 0
 
     def exclude(self, seconds: float) -> None:
         """Keeps `seconds` spent on other work than training out of the throughput."""
@@ -202,7 +203,7 @@ class TrainMetrics:
         """The summary's loss and throughput entries, over this run's steps and `train_time`."""
         return {
             "final_loss": self.last_loss,
-            "tokens_per_s": self.steps * self.tokens_per_step / train_time,
+            "tokens_per_s": self.total_real / train_time,
             "trained_tokens_per_s": self.total_trained / train_time,
             "train_time_s": train_time,
         }
@@ -233,14 +234,11 @@ def print_summary(summary: dict[str, Any]) -> None:
         "",
         "==== fine-tuning summary ====",
         f"steps            {summary['steps']}",
-        (
-            f"val loss         first {f('first_val_loss')}  last {f('last_val_loss')}  "
-            f"ratio {f('val_loss_ratio', '{:.3f}')}"
-        ),
+        *_validation_lines(summary, f),
         f"final train loss {f('final_loss')}",
         (
-            f"throughput       {f('tokens_per_s', '{:.0f}')} tokens/s "
-            f"({f('trained_tokens_per_s', '{:.0f}')} trained tokens/s)"
+            f"throughput       {f('tokens_per_s', '{:.0f}')} tokens/s (real: padding left out), "
+            f"{f('trained_tokens_per_s', '{:.0f}')} trained tokens/s (the loss's targets)"
         ),
         f"wall time        {f('wall_time_s', '{:.1f}')} s (training {f('train_time_s', '{:.1f}')} s)",
         f"run dir          {summary['run_dir']}",
@@ -252,6 +250,22 @@ def print_summary(summary: dict[str, Any]) -> None:
     elif summary.get("checkpoint"):
         lines.append(f"checkpoint       {summary['checkpoint']}")
     print("\n".join(lines), flush=True)
+
+
+def _validation_lines(summary: dict[str, Any], f: Any) -> list[str]:
+    """The summary's validation lines: first and last loss, and whether the final pass ran. A run stopped
+    before any later pass has no last loss, and says so rather than repeat the first."""
+    if summary.get("first_val_loss") is None:
+        return ["val loss         n/a (no validation data)"]
+    skipped = summary.get("final_validation") == "skipped"
+    if summary.get("last_val_loss") is None:
+        return [f"val loss         first {f('first_val_loss')}; no later pass (the run stopped before one)",
+                "final validation skipped: the run stopped early; it runs when the resumed run reaches max_steps"]
+    lines = [f"val loss         first {f('first_val_loss')}  last {f('last_val_loss')} (step {summary['last_val_step']})  "
+             f"ratio {f('val_loss_ratio', '{:.3f}')}"]
+    if skipped:
+        lines.append("final validation skipped: the run stopped early; it runs when the resumed run reaches max_steps")
+    return lines
 
 
 def earlier_val_losses(run_dir: Path, up_to_step: int) -> list[tuple[int, float]]:
