@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
 
 
 class ShardParameters(ParallelStyle):
@@ -51,6 +51,19 @@ class Compose(ParallelStyle):
         for style in self.styles:
             module = style._apply(module, device_mesh)
         return module
+
+
+class RowwiseParallelOwnOutput(RowwiseParallel):
+    """`RowwiseParallel` whose module hands out a tensor of its own, never a view.
+
+    The local part of a sharded output (`DTensor.to_local`, e.g. an embedding's under sequence
+    parallel) is a view; a view leaving an FSDP unit would lose FSDP's pre-backward hook to any later
+    in-place op on it, and torch warns so on every step. The copy is one activation per forward."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return out.clone() if isinstance(out, torch.Tensor) and out._base is not None else out
 
 
 class _SumGradients(torch.autograd.Function):

@@ -75,7 +75,12 @@ from nemotron_recipe.distributed.plan import (
     check_experts_split,
     check_sequence_parallel,
 )
-from nemotron_recipe.distributed.tensor_parallel import Compose, KeyValueHeadsParallel, ShardParameters
+from nemotron_recipe.distributed.tensor_parallel import (
+    Compose,
+    KeyValueHeadsParallel,
+    RowwiseParallelOwnOutput,
+    ShardParameters,
+)
 
 from .context_parallel import check_mamba
 from .kernels import SELECTIVE_AC_SAVED_OPS
@@ -235,7 +240,8 @@ def model_plan(model: nn.Module, *, native: bool, sequence_parallel: bool, plan:
     sp = sequence_parallel
     styles: dict[str, ParallelStyle] = {}
     if plan == "default":
-        styles[embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
+        # Its own output tensor: the embedding is an FSDP unit of its own, and under SP its output is a view.
+        styles[embed] = RowwiseParallelOwnOutput(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())
     if sp:
         styles[norm_f] = SequenceParallel()
     head_input = Shard(1) if sp else Replicate()
