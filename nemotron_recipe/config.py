@@ -242,6 +242,24 @@ class CheckpointConfig:
     export_hf: bool = False
 
 
+OBJECTIVES = ("sft", "dpo")
+
+
+@dataclass
+class ObjectiveConfig:
+    """What a step optimizes (docs/dpo.md). `sft`: next-token cross-entropy. `dpo`: direct preference
+    optimization over `data.format=preference` pairs: `beta`, `loss` (sigmoid | ipo) with
+    `label_smoothing`, `sft_weight` (an NLL term on the chosen responses) and `reference` (base | copy |
+    precomputed); the DPO keys are ignored under `sft`."""
+
+    name: str = "sft"
+    beta: float = 0.1
+    loss: str = "sigmoid"
+    label_smoothing: float = 0.0
+    sft_weight: float = 0.0
+    reference: str = "base"
+
+
 PEFT_METHODS = ("none", "lora")
 
 
@@ -292,6 +310,7 @@ class FinetuneConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     seed: int = 1234
     run_dir: str = "${hydra:runtime.output_dir}"

@@ -164,13 +164,14 @@ class TrainMetrics:
 
     def log(
         self, step: int, *, loss: float, lr: float, grad_norm: float, skipped: bool = False,
-        mtp_loss: float | None = None, moe: dict[str, float] | None = None,
+        mtp_loss: float | None = None, moe: dict[str, float] | None = None, extra: dict[str, float] | None = None,
     ) -> None:
         """The row of `step`; its throughput covers the steps since the previous row. A step that was
         not taken (non-finite, `trainer.nonfinite=skip`) is marked `"skipped": true`. `mtp_loss`: the
         MTP layers' loss (per trained token, averaged over depths, unscaled), when they are trained;
         `moe`: router health (`moe_balance.RouterBalance`): `moe_load_imbalance`, the step's busiest-expert
-        load over the mean, worst MoE block, and `moe_aux_loss`, the balance-loss term, when trained."""
+        load over the mean, worst MoE block, and `moe_aux_loss`, the balance-loss term, when trained; `extra`: the objective's other
+        metrics (DPO's rewards), written after the loss."""
         if not skipped:  # the summary's final loss is that of a step that was taken
             self.last_loss = loss
         now = time.perf_counter()
@@ -179,6 +180,7 @@ class TrainMetrics:
             "step": step,
             "loss": loss,
             **({"mtp_loss": mtp_loss} if mtp_loss is not None else {}),
+            **(extra or {}),
             "lr": lr,
             "grad_norm": grad_norm,
             **(moe or {}),
