@@ -172,6 +172,8 @@ class DataConfig:
     val_split_fraction: float = 0.0  # with val_file null: hold out this fraction of training rows (by seed)
     prompt_key: str = "prompt"
     response_key: str = "response"
+    chosen_key: str = "chosen"  # data.format=preference: the preferred response (string or one assistant turn)
+    rejected_key: str = "rejected"  # ... and the dispreferred one
     messages_key: Optional[str] = None  # chat rows: a list of {role, content} turns; replaces prompt/response
     role_key: str = "role"
     content_key: str = "content"
@@ -460,6 +462,7 @@ def validate_config(cfg: Any, world_size: int | None = None) -> tuple[NemotronHC
     _check_choice(errors, "logger.wandb.mode", cfg.logger.wandb.mode, WANDB_MODES)
     errors += _input_problems(cfg)
     errors += _peft_problems(cfg)
+    errors += _objective_problems(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     model_config = build_model_config(cfg.model)
@@ -522,6 +525,54 @@ def _peft_problems(cfg: Any) -> list[str]:
     except (ModelConfigError, LoRAError) as e:
         problem = str(e)
     return [problem] if problem else []
+
+
+def _objective_problems(cfg: Any) -> list[str]:
+    """The `objective` group, and what DPO needs of the data, the adapters and the trainer."""
+    o, errors = cfg.objective, []
+    _check_choice(errors, "objective.name", o.name, OBJECTIVES)
+    preference = cfg.data.format == "preference"
+    if o.name == "sft":
+        if preference:
+            errors.append("data.format=preference: preference pairs train with DPO. Fix: objective=dpo, or point "
+                          "data.train_file at prompt/response rows with data.format=null.")
+        return errors
+    if o.name != "dpo":
+        return errors
+    from nemotron_recipe.training.objectives.dpo_loss import DPO_LOSSES
+    from nemotron_recipe.training.objectives.reference import REFERENCES
+
+    _check_choice(errors, "objective.loss", o.loss, DPO_LOSSES)
+    _check_choice(errors, "objective.reference", o.reference, REFERENCES)
+    _positive(errors, "objective.beta", o.beta)
+    _positive(errors, "objective.sft_weight", o.sft_weight, allow_zero=True)
+    if not 0.0 <= o.label_smoothing < 0.5:
+        errors.append(f"objective.label_smoothing={o.label_smoothing}: must lie in [0, 0.5). Fix: e.g. 0.1, or 0.")
+    if not preference:
+        errors.append(f"objective=dpo with data.format={cfg.data.format!r}: DPO trains on preference pairs. Fix: "
+                      "data.format=preference, with prompt/chosen/rejected in each row.")
+    lora = cfg.peft.method == "lora"
+    if o.reference == "base" and not lora:
+        errors.append("objective.reference=base without LoRA (peft.method=none): the base reference is the model "
+                      "with its adapters switched off, and full fine-tuning has none. Fix: objective.reference=copy "
+                      "(a frozen copy of the starting weights), objective.reference=precomputed, or peft=lora.")
+    if o.reference == "base" and cfg.moe.bias_update_rate:
+        errors.append(f"objective.reference=base with moe.bias_update_rate={cfg.moe.bias_update_rate}: the routers' "
+                      "correction biases are shared with the base and would move the reference. Fix: "
+                      "objective.reference=copy or precomputed, or moe.bias_update_rate=0.")
+    if o.reference == "copy" and lora and cfg.peft.init_from:
+        errors.append("objective.reference=copy with peft.init_from: the copy holds the base without adapters, not "
+                      "the starting adapters. Fix: objective.reference=precomputed (the starting policy's log-probs).")
+    if cfg.data.packing:
+        errors.append("data.packing=true with objective=dpo: a pair's halves are whole sequences of one micro-batch. "
+                      "Fix: data.packing=false.")
+    if cfg.trainer.loss_chunk_size:
+        errors.append(f"trainer.loss_chunk_size={cfg.trainer.loss_chunk_size} with objective=dpo: DPO needs each "
+                      "sequence's log-probs, which the chunked loss does not give. Fix: trainer.loss_chunk_size=null.")
+    if cfg.data.messages_key is not None:
+        errors.append(f"data.messages_key={cfg.data.messages_key!r} with objective=dpo: preference rows hold "
+                      "data.prompt_key/chosen_key/rejected_key. Fix: data.messages_key=null.")
+    return errors
 
 
 def _method_problems(p: Any) -> list[str]:

@@ -126,6 +126,7 @@ class Trainer:
         self, cfg: Any, model_config: NemotronHConfig, plan: ParallelPlan, env: DistEnv, *, started: float
     ) -> None:
         self.cfg, self.parallel, self.env, self.started = cfg, plan, env, started
+        self.model_config = model_config
         self.run_dir = Path(cfg.run_dir)
         # MTP layers train when the model has them and model.mtp_loss_scale is not 0.
         self.mtp_loss_scale = model_config.effective_mtp_loss_scale
@@ -205,6 +206,20 @@ class Trainer:
             start_adapters(model, cfg, self.lora)
         model.train()
         self.model = model
+
+    def frozen_copy(self) -> torch.nn.Module:
+        """A model holding the run's starting weights (LoRA: the base without adapters), sharded like the
+        policy, with nothing to train: DPO's reference=copy. Built from the seed or read from
+        model.pretrained as the policy was, so a resumed run gets the same one."""
+        cfg = self.cfg
+        model = build_model(cfg, self.model_config)
+        if self.lora:
+            store_base(model, cfg)
+        model = self._parallelize(model, reapply_trainability=lambda m: m.requires_grad_(False))
+        if cfg.model.pretrained:
+            load_hf_sharded(model, cfg.model.pretrained, torch.device("cpu") if cfg.fsdp.offload else self.env.device,
+                            skip=is_adapter)
+        return model.eval()
 
     def _trainability(self) -> Callable[[torch.nn.Module], None] | None:
         """What trains, set after tensor parallel has replaced the parameters: LoRA's adapters only, and

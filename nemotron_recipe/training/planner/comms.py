@@ -156,8 +156,10 @@ def step_floor(config: NemotronHConfig, plan: ParallelPlan, work: Workload, traf
                micro_batches: int, hw: Hardware) -> dict[str, float]:
     """Seconds of compute and of traffic per step on one rank, and their maximum (the floor)."""
     flops = training_flops(config, work.micro_batch, work.seq_len) / (plan.tp * plan.cp)
-    if plan.ac.mode in ("full", "blocks", "every_nth"):
-        flops += sum(forward_flops(config, work.micro_batch, work.seq_len).values()) / (plan.tp * plan.cp)
+    recomputed = plan.ac.mode in ("full", "blocks", "every_nth")
+    forwards = int(recomputed) + int(work.reference_forward)
+    if forwards:
+        flops += forwards * sum(forward_flops(config, work.micro_batch, work.seq_len).values()) / (plan.tp * plan.cp)
     compute = micro_batches * flops / (hw.tflops_per_device * 1e12)
     dp_stride = plan.tp * plan.cp
     groups = {

@@ -30,10 +30,12 @@ def as_dict(outcome: Outcome, suggestions: list[Suggestion]) -> dict[str, Any]:
         "micro_batch_size": w.micro_batch, "seq_len": w.seq_len, "grad_accum_steps": launch.grad_accum,
         "per_rank_gib": {
             "params": _gib(est.state.params), "grads": _gib(est.state.grads), "optimizer": _gib(est.state.optimizer),
+            "reference": _gib(est.reference),
             "activations": _gib(est.activations) if est.trace else None,
             "total": _gib(est.device_total), "host_offloaded": _gib(est.host_total),
         },
         "per_rank_bytes": {"params": est.state.params, "grads": est.state.grads, "optimizer": est.state.optimizer,
+                           "reference": est.reference,
                            "activations": est.activations if est.trace else None, "total": est.device_total},
         "device_memory_gib": _gib(launch.budget), "device": launch.device,
         "verdict": verdict(outcome), "fits": outcome.fits,
