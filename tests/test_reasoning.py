@@ -145,3 +145,155 @@ def test_empty_think_block_trains_only_when_asked(tok):
         asked = _runs(tok, encode_conversation(ChatFormatter(tok, "nemotron3", train_empty_think=True),
                                                CONVERSATIONS[name]))
         assert asked.endswith("[<think></think>sun<|im_end|>]\n"), asked
+
+
+# A ChatML template that reads `reasoning_content` and marks each assistant turn with {% generation %}.
+MARKED_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}"
+    "{% if m.get('reasoning_content') %}<think>{{ m['reasoning_content'] }}</think>{% endif %}"
+    "{{ m['content'] }}<|im_end|>{% endgeneration %}\n"
+    "{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def with_template(tok, template):
+    t = load_tokenizer(DEFAULT_ASSETS_DIR)
+    t.chat_template = template
+    return t
+
+
+def test_tokenizer_template_mask_is_transformers_assistant_mask(tok):
+    marked = with_template(tok, MARKED_TEMPLATE)
+    turns = [{"role": "system", "content": "Be brief."}, user("Add 1 and 2."), assistant("3."), user("And 2 and 2?"),
+             assistant("4.")]
+    enc = encode_conversation(ChatFormatter(marked, "tokenizer"), turns)
+    ref = marked.apply_chat_template(turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert enc.ids == ref["input_ids"] and enc.trained == [bool(m) for m in ref["assistant_masks"]]
+    # History lost its reasoning before the template saw it; the final turn's trains by mode.
+    final = [user("Add 2 and 3."), assistant("5.", "two plus three")]
+    runs = {mode: _runs(marked, encode_conversation(ChatFormatter(marked, "tokenizer", reasoning=mode), final))
+            for mode in ("train", "answer_only", "drop")}
+    assert runs["train"].endswith("assistant\n[<think>two plus three</think>5.<|im_end|>]")
+    assert runs["answer_only"].endswith("assistant\n<think>two plus three</think>[5.<|im_end|>]")
+    assert runs["drop"].endswith("assistant\n[5.<|im_end|>]")
+    last = ChatFormatter(marked, "tokenizer", train_on="last_assistant")
+    assert _runs(marked, encode_conversation(last, turns)).count("[") == 1
+
+
+def test_auto_template_path_applies_reasoning_modes(tok):
+    plain = with_template(tok, MARKED_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
+    turns = [user("Hi"), assistant("Hello.", "greet"), user("Add 2 and 3."), assistant("5.", "two plus three")]
+    runs = {mode: _runs(plain, encode_conversation(ChatFormatter(plain, "auto", reasoning=mode), turns))
+            for mode in ("train", "answer_only")}
+    assert "assistant\n[Hello.<|im_end|>" in runs["train"] and "greet" not in runs["train"]
+    assert runs["train"].endswith("[<think>two plus three</think>5.<|im_end|>\n]")
+    assert runs["answer_only"].endswith("<think>two plus three</think>[5.<|im_end|>\n]")
+
+
+def test_builtin_format_applies_reasoning_modes(tok):
+    turns = [user("Add 2 and 3."), assistant("<think>two plus three</think>5.")]
+    runs = {mode: _runs(tok, encode_conversation(ChatFormatter(tok, "builtin", reasoning=mode), turns))
+            for mode in ("train", "answer_only", "drop")}
+    assert runs["train"] == "<s><|user|>Add 2 and 3.<|assistant|>[<think>two plus three</think>5.</s>]"
+    assert runs["answer_only"] == "<s><|user|>Add 2 and 3.<|assistant|><think>two plus three</think>[5.</s>]"
+    assert runs["drop"] == "<s><|user|>Add 2 and 3.<|assistant|>[5.</s>]"
+
+
+def test_template_choices_that_cannot_mask_are_refused(tok, released):
+    with pytest.raises(DataError, match="has no chat_template"):
+        ChatFormatter(tok, "tokenizer")
+    with pytest.raises(DataError, match=r"no \{% generation %\} markers.*nemotron3"):
+        ChatFormatter(with_template(tok, released), "tokenizer")
+    auto = ChatFormatter(with_template(tok, released), "auto")
+    with pytest.raises(DataError, match="data.chat_template=nemotron3"):
+        encode_conversation(auto, CONVERSATIONS["history_field"])
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("<think>never closed", "never closed"),
+    ("<think>a</think>b<think>c</think>d", "2 <think> and 2 </think>"),
+    ("Sure. <think>a</think>b", "text before its <think> block"),
+])
+def test_malformed_traces_name_the_row(tmp_path, tok, content, needle):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"prompt": "Q", "response": "fine"}) + "\n" + json.dumps({"prompt": "Q", "response": content}) + "\n")
+    from nemotron_recipe.data import load_sft_examples
+
+    with pytest.raises(DataError, match=f"bad.jsonl:2: turn 2.*{needle}"):
+        load_sft_examples(path, tok, seq_len=64, chat_template="nemotron3")
+
+
+def test_trace_given_twice_is_refused(tok):
+    with pytest.raises(DataError, match="both a 'reasoning_content' field and <think> tags"):
+        encode_conversation(ChatFormatter(tok, "nemotron3"), [user("Q"), assistant("<think>a</think>b", "c")])
+
+
+def test_unknown_reasoning_value_is_named(tmp_path):
+    cfg = compose_run(tmp_path, "data.reasoning=hide")
+    with pytest.raises(ConfigError, match=r"data.reasoning='hide': unknown value.*answer_only"):
+        validate_config(cfg, world_size=1)
+
+
+# ---------------------------------------------------------------- through the training data path
+def _reasoning_rows(n):
+    path = DEFAULT_ASSETS_DIR / "tiny_reasoning_train.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()[:n]]
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _train_data(tmp_path, tok, path, mode):
+    cfg = compose_run(tmp_path, f"data.train_file={path}", "data.val_file=null", "data.chat_template=nemotron3",
+                      f"data.reasoning={mode}")
+    return load_sft_data(cfg.data, tok, seq_len=128, seed=0).train
+
+
+def test_answer_only_loss_is_blind_to_the_reasoning_tokens(tmp_path, tok):
+    """Rows that differ only inside their reasoning give, under answer_only, the very same targets, so the
+    training loss on the same logits is bit-identical; under train the targets and the loss differ."""
+    from nemotron_recipe.data import collate
+    from nemotron_recipe.models.nemotron_v3 import NemotronHForCausalLM
+    from nemotron_recipe.config import build_model_config
+    from nemotron_recipe.training.loss import cross_entropy_sum
+
+    rows = _reasoning_rows(8)
+    # Every digit of the trace changes (9 - d), its tokens with it; the answer stays.
+    flip = str.maketrans("0123456789", "9876543210")
+    changed = [{"prompt": r["prompt"], "response": r["response"].split("</think>")[0].translate(flip) + "</think>"
+                + r["response"].split("</think>")[1]} for r in rows]
+    a, b = _write(tmp_path / "a.jsonl", rows), _write(tmp_path / "b.jsonl", changed)
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(build_model_config(compose_run(tmp_path).model))
+    losses = {}
+    for mode in ("answer_only", "train"):
+        ex_a, ex_b = _train_data(tmp_path, tok, a, mode), _train_data(tmp_path, tok, b, mode)
+        batch_a, batch_b = (collate(ex, range(len(ex)), 128, tok.pad_token_id) for ex in (ex_a, ex_b))
+        assert batch_a["input_ids"].shape == batch_b["input_ids"].shape  # the same length, token for token
+        assert not torch.equal(batch_a["input_ids"], batch_b["input_ids"])
+        with torch.no_grad():
+            logits = model(batch_a["input_ids"]).logits
+        losses[mode] = [cross_entropy_sum(logits, batch["targets"])[0] for batch in (batch_a, batch_b)]
+        if mode == "answer_only":
+            assert torch.equal(batch_a["targets"], batch_b["targets"])
+    assert torch.equal(losses["answer_only"][0], losses["answer_only"][1])
+    assert not torch.equal(losses["train"][0], losses["train"][1])
+
+
+def test_reasoning_option_on_data_without_traces_is_said_once(tmp_path, tok, caplog):
+    cfg = compose_run(tmp_path, "data.reasoning=answer_only", "data.chat_template=nemotron3")
+    with caplog.at_level(logging.WARNING, logger="nemotron_recipe"):
+        data = load_sft_data(cfg.data, tok, seq_len=128, seed=0)
+    notes = [r.getMessage() for r in caplog.records if "data.reasoning" in r.getMessage()]
+    assert len(notes) == 1 and "data.reasoning=answer_only: no row of data.train_file" in notes[0]
+    assert data.train.num_reasoning == 0
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nemotron_recipe"):
+        traced = load_sft_data(compose_run(tmp_path, "data.reasoning=answer_only", "data.val_file=null",
+                                           f"data.train_file={DEFAULT_ASSETS_DIR / 'tiny_reasoning_val.jsonl'}").data,
+                               tok, seq_len=128, seed=0)
+    assert traced.train.num_reasoning == 40 and not caplog.records
