@@ -136,7 +136,8 @@ def reasoning_for(prompt: str, response: str) -> str:
         return " ".join(f"{w} is {i}." for i, w in enumerate(words, 1))
     if prompt.startswith("Repeat"):
         return f"Copy the {len(words)} words in order."
-    return f"Recall the fact, then answer in a sentence like: {response.split(' is ')[0]} is ..."
+    subject, value = response.rstrip(".").removeprefix("The ").rsplit(" is ", 1)
+    return f"Recall it: {subject} goes with {value}."
 
 
 def generate_reasoning_rows(rng: random.Random, n: int) -> list[dict[str, str]]:

@@ -10,14 +10,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import compose_run
 
 from nemotron_recipe.config import ConfigError, validate_config
-from nemotron_recipe.data import DEFAULT_ASSETS_DIR, IGNORE_INDEX, ChatFormatter, DataError, encode_conversation
-from nemotron_recipe.data import load_sft_data, load_tokenizer
-from nemotron_recipe.data import nemotron3
+from nemotron_recipe.data import (
+    DEFAULT_ASSETS_DIR,
+    ChatFormatter,
+    DataError,
+    encode_conversation,
+    load_sft_data,
+    load_tokenizer,
+    nemotron3,
+)
 from nemotron_recipe.data.reasoning import ReasoningPolicy, trace_of
-
-from helpers import compose_run
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # The released template as llama.cpp mirrors it (models/templates/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.jinja, stored
@@ -256,9 +261,9 @@ def _train_data(tmp_path, tok, path, mode):
 def test_answer_only_loss_is_blind_to_the_reasoning_tokens(tmp_path, tok):
     """Rows that differ only inside their reasoning give, under answer_only, the very same targets, so the
     training loss on the same logits is bit-identical; under train the targets and the loss differ."""
+    from nemotron_recipe.config import build_model_config
     from nemotron_recipe.data import collate
     from nemotron_recipe.models.nemotron_v3 import NemotronHForCausalLM
-    from nemotron_recipe.config import build_model_config
     from nemotron_recipe.training.loss import cross_entropy_sum
 
     rows = _reasoning_rows(8)

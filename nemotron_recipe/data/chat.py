@@ -40,7 +40,7 @@ from .reasoning import (
     untrained_think_spans,
     without_reasoning,
 )
-from .sources import CHAT_TEMPLATES, TRAIN_ON, DataError
+from .sources import TRAIN_ON, DataError
 
 USER_TOKEN = "<|user|>"
 ASSISTANT_TOKEN = "<|assistant|>"
@@ -102,7 +102,7 @@ class ChatFormatter:
         }
 
     @classmethod
-    def from_config(cls, data_cfg: Any, tokenizer: PreTrainedTokenizerBase) -> "ChatFormatter":
+    def from_config(cls, data_cfg: Any, tokenizer: PreTrainedTokenizerBase) -> ChatFormatter:
         """The formatter the `data` config describes."""
         return cls(tokenizer, template=data_cfg.chat_template, train_on=data_cfg.train_on,
                    reasoning=getattr(data_cfg, "reasoning", "train"),

@@ -21,7 +21,16 @@ is prompt, not output: it never trains, and neither does an empty block unless a
 
 from __future__ import annotations
 
-from .reasoning import Piece, ReasoningPolicy, Trace, content_pieces, last_user_index, strip_pieces, trace_of, trained_kinds
+from .reasoning import (
+    Piece,
+    ReasoningPolicy,
+    Trace,
+    content_pieces,
+    last_user_index,
+    strip_pieces,
+    trace_of,
+    trained_kinds,
+)
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
