@@ -71,12 +71,15 @@ def test_preview_settings_are_checked():
 
 def test_preview_cli_marks_trained_tokens_counts_the_file_and_writes_nothing(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "recipes.preview", "preview.n=2", "data.max_length_policy=drop", "trainer.seq_len=20"],
+        [sys.executable, "-m", "recipes.preview", "preview.n=2", "data.max_length_policy=drop", "trainer.seq_len=20",
+         "data.reasoning=drop"],
         cwd=tmp_path, check=True, capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
     )
     lines = out.stdout.splitlines()
-    assert lines[0] == "built-in chat format, reasoning=train; trained text between [[ and ]]"
+    assert lines[0] == "built-in chat format, reasoning=drop; trained text between [[ and ]]"
+    # The shipped SFT rows have no traces: said once, on stderr.
+    assert out.stderr.count("data.reasoning=drop: no row of data.train_file") == 1
     body = [line for line in lines if line.startswith("<s>")]
     assert len(body) == 2 and all(line.count("[[") == 1 and line.endswith("</s>]]") for line in body)
     summary = [line for line in lines if line.startswith(("train:", "val:"))]
