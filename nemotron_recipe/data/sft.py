@@ -147,7 +147,8 @@ class SFTData:
             packed = f" packed into {len(ex)} sequences" if ex.packed else ""
             parts.append(
                 f"{name}: {ex.num_documents} examples{packed} ({ex.num_truncated} truncated to seq_len={seq_len}, "
-                f"{ex.num_dropped} dropped as longer, {ex.num_skipped} skipped with nothing to train on)"
+                f"{ex.num_dropped} dropped as longer, {ex.num_skipped} skipped with nothing to train on, "
+                f"{ex.num_reasoning} with reasoning traces)"
             )
         return f"{'; '.join(parts)}; {self.formatter}"
 
