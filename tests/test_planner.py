@@ -241,7 +241,8 @@ def _measured_rows(launcher: list[str], mesh: str = "") -> list[tuple[float, flo
 
 def test_predicted_peak_within_15_percent_of_measured_rss_one_process():
     """tiny on one process, with and without recomputation: the resident set above the step's start
-    (benchmarks/throughput.py's measure). h1024's rows are the benchmark's (docs/planner-validation.md): they take a minute."""
+    (benchmarks/measure.py's measure). h1024's rows are the benchmark's (docs/planner-validation.md): they
+    take a minute."""
     rows = _measured_rows([sys.executable])
     assert all(abs(predicted - measured) <= 0.15 * measured for predicted, measured in rows), rows
 
