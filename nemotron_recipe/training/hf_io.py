@@ -236,19 +236,21 @@ def _remove_model_files(out: Path) -> None:
             file.unlink()
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = False, merge: bool = False) -> Path:
+def export_hf(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = False, merge: bool = False,
+              out_proj: str = "save") -> Path:
     """Write a training checkpoint as a consolidated Hugging Face directory; returns it.
 
     A non-empty `out_dir` is refused unless `overwrite`, which deletes its weight files (only once
     the checkpoint has loaded) before the new ones are written. A checkpoint holding non-finite
     values (saved by a diverged run of an older version) is refused before anything is written.
-    A LoRA checkpoint becomes a PEFT adapter, or with `merge` a model with the adapters folded in."""
+    A LoRA checkpoint becomes a PEFT adapter, or with `merge` a model with the adapters folded in;
+    `out_proj="skip"` leaves its Mamba2 out_proj adapters out of both (training/lora.py)."""
     out = Path(out_dir).expanduser()
     _check_export_dir(out, overwrite)
     path = find_checkpoint(checkpoint)
     meta = read_meta(path)
     if meta.get("peft") or merge:
-        return _export_lora(path, meta, out, merge=merge)
+        return _export_lora(path, meta, out, merge=merge, out_proj=out_proj)
     model, meta, path = load_checkpoint_model(path)
     bad = [name for name, t in model.state_dict().items() if t.is_floating_point() and not bool(t.isfinite().all())]
     if bad:
@@ -264,9 +266,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = 
     return out
 
 
-def _export_lora(path: Path, meta: dict[str, Any], out: Path, *, merge: bool) -> Path:
+def _export_lora(path: Path, meta: dict[str, Any], out: Path, *, merge: bool, out_proj: str) -> Path:
     """A LoRA checkpoint as a PEFT adapter, or merged into its base (training/lora.py)."""
-    from nemotron_recipe.training.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, export_lora
+    from nemotron_recipe.training.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, OUT_PROJ_FACTORS, export_lora
 
     if not meta.get("peft"):
         raise CheckpointError(
@@ -275,10 +277,10 @@ def _export_lora(path: Path, meta: dict[str, Any], out: Path, *, merge: bool) ->
         )
     verify_checksums(path, meta)
     read_dcp_metadata(path)
-    staged = export_lora(path, meta, merge=merge)  # everything is loaded and merged before a file is written
+    staged = export_lora(path, meta, merge=merge, out_proj=out_proj)  # everything is loaded and merged before a file is written
     out.mkdir(parents=True, exist_ok=True)
     _remove_model_files(out)
-    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, OUT_PROJ_FACTORS):
         (out / name).unlink(missing_ok=True)
     staged(out)
     _save_tokenizer(meta, path, out)
