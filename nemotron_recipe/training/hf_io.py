@@ -33,7 +33,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from nemotron_recipe.models.nemotron_v3 import CheckpointError, ModelConfigError, NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.models.nemotron_v3 import (
+    CheckpointError,
+    ModelConfigError,
+    NemotronHConfig,
+    NemotronHForCausalLM,
+    build_meta_model,
+)
 from nemotron_recipe.models.nemotron_v3.checkpoint import (
     mamba_conv_order,
     mamba_in_proj_order,
@@ -50,6 +56,7 @@ from nemotron_recipe.training.checkpoint import (
     read_meta,
     verify_checksums,
 )
+from nemotron_recipe.training.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, OUT_PROJ_FACTORS, export_lora
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +64,6 @@ log = logging.getLogger(__name__)
 MODEL_FILE_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json")
 
 _MAMBA_ROWS = {"in_proj.weight": "in_proj", "in_proj.bias": "in_proj", "conv1d.weight": "conv", "conv1d.bias": "conv"}
-
-
-def build_meta_model(config: NemotronHConfig) -> NemotronHForCausalLM:
-    """The model's structure without storage: parameters and buffers on the meta device."""
-    with torch.device("meta"):
-        return NemotronHForCausalLM(config)
 
 
 def _local_box(t: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
@@ -268,8 +269,6 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = 
 
 def _export_lora(path: Path, meta: dict[str, Any], out: Path, *, merge: bool, out_proj: str) -> Path:
     """A LoRA checkpoint as a PEFT adapter, or merged into its base (training/lora.py)."""
-    from nemotron_recipe.training.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, OUT_PROJ_FACTORS, export_lora
-
     if not meta.get("peft"):
         raise CheckpointError(
             f"{path}: --merge applies to LoRA checkpoints; this one is a full fine-tuning checkpoint, which holds "

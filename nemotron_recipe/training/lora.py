@@ -31,6 +31,7 @@ from nemotron_recipe.models.nemotron_v3 import (
     CheckpointError,
     NemotronHConfig,
     NemotronHForCausalLM,
+    build_meta_model,
 )
 from nemotron_recipe.models.nemotron_v3.checkpoint import in_saved_dtypes, safetensors_files
 from nemotron_recipe.models.nemotron_v3.lora import (
@@ -185,8 +186,6 @@ def _out_proj_factors(path: Path, saved: list[str]) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------- export
 def load_adapters(path: Path, meta: dict[str, Any]) -> tuple[NemotronHForCausalLM, dict[str, torch.Tensor]]:
     """The adapter values of a LoRA checkpoint, with the (storage-less) adapted model they belong to."""
-    from nemotron_recipe.training.hf_io import build_meta_model
-
     peft = meta["peft"]
     config = NemotronHConfig(**meta["model"])
     model = build_meta_model(config)
