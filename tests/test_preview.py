@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import yaml
-from helpers import CONF, REPO, RUN_BASE, compose_run
+from helpers import CONF, REPO, RUN_BASE, SMALL_DIMS, compose_run
 
 from nemotron_recipe.config import ConfigError
 from nemotron_recipe.data import IGNORE_INDEX
@@ -41,7 +41,8 @@ def preview(*overrides: str) -> dict | str:
 def test_preview_shows_the_mask_training_applies(tmp_path, monkeypatch):
     """One training step records the micro-batches it collates and the targets its loss applies; the
     preview of the same overrides shows those sequences, token for token, and that mask."""
-    cfg = compose_run(tmp_path, *REASONING, "trainer.max_steps=1", "data.val_file=null")
+    small = [f"model.{k}={v}" for k, v in {**SMALL_DIMS, "vocab_size": 512}.items()]
+    cfg = compose_run(tmp_path, *REASONING, *small, "trainer.max_steps=1", "data.val_file=null")
     batches, targets = [], []
     real_collate, real_ce = finetune.collate, loss_module.cross_entropy_sum
     monkeypatch.setattr(finetune, "collate", lambda *a, **k: batches.append(real_collate(*a, **k)) or batches[-1])

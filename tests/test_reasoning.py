@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import compose_run
+from helpers import SMALL_DIMS, compose_run
 
 from nemotron_recipe.config import ConfigError, validate_config
 from nemotron_recipe.data import (
@@ -273,7 +273,8 @@ def test_answer_only_loss_is_blind_to_the_reasoning_tokens(tmp_path, tok):
                 + r["response"].split("</think>")[1]} for r in rows]
     a, b = _write(tmp_path / "a.jsonl", rows), _write(tmp_path / "b.jsonl", changed)
     torch.manual_seed(0)
-    model = NemotronHForCausalLM(build_model_config(compose_run(tmp_path).model))
+    small = [f"model.{k}={v}" for k, v in {**SMALL_DIMS, "vocab_size": len(tok)}.items()]
+    model = NemotronHForCausalLM(build_model_config(compose_run(tmp_path, *small).model))
     losses = {}
     for mode in ("answer_only", "train"):
         ex_a, ex_b = _train_data(tmp_path, tok, a, mode), _train_data(tmp_path, tok, b, mode)
@@ -290,7 +291,11 @@ def test_answer_only_loss_is_blind_to_the_reasoning_tokens(tmp_path, tok):
 
 
 def test_reasoning_option_on_data_without_traces_is_said_once(tmp_path, tok, caplog):
-    cfg = compose_run(tmp_path, "data.reasoning=answer_only", "data.chat_template=nemotron3")
+    plain = (DEFAULT_ASSETS_DIR / "tiny_sft_train.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "plain.jsonl").write_text("".join(plain[:40]))
+    (tmp_path / "plain_val.jsonl").write_text("".join(plain[40:48]))
+    cfg = compose_run(tmp_path, "data.reasoning=answer_only", "data.chat_template=nemotron3",
+                      f"data.train_file={tmp_path / 'plain.jsonl'}", f"data.val_file={tmp_path / 'plain_val.jsonl'}")
     with caplog.at_level(logging.WARNING, logger="nemotron_recipe"):
         data = load_sft_data(cfg.data, tok, seq_len=128, seed=0)
     notes = [r.getMessage() for r in caplog.records if "data.reasoning" in r.getMessage()]
