@@ -235,10 +235,14 @@ def test_trace_given_twice_is_refused(tok):
         encode_conversation(ChatFormatter(tok, "nemotron3"), [user("Q"), assistant("<think>a</think>b", "c")])
 
 
-def test_unknown_reasoning_value_is_named(tmp_path):
-    cfg = compose_run(tmp_path, "data.reasoning=hide")
-    with pytest.raises(ConfigError, match=r"data.reasoning='hide': unknown value.*answer_only"):
-        validate_config(cfg, world_size=1)
+@pytest.mark.parametrize("overrides,needle", [
+    (["data.reasoning=hide"], r"data.reasoning='hide': unknown value.*answer_only"),
+    (["data.reasoning=answer_only", "data.train_on=all"], r"answer_only with data.train_on=all.*Fix: data.train_on"),
+    (["data.chat_template=nemotron"], r"data.chat_template='nemotron': neither one of .*nemotron3"),
+])
+def test_bad_reasoning_settings_are_named(tmp_path, overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        validate_config(compose_run(tmp_path, *overrides), world_size=1)
 
 
 # ---------------------------------------------------------------- through the training data path

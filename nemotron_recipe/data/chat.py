@@ -86,6 +86,9 @@ class ChatFormatter:
         self.tokenizer = tokenizer
         self.train_on = train_on
         self.policy = ReasoningPolicy(reasoning, train_empty_think)
+        if reasoning == "answer_only" and train_on == "all":
+            raise DataError("data.reasoning=answer_only with data.train_on=all: every token would be a target, the "
+                            "reasoning's too. Fix: data.train_on=assistant (or last_assistant), or data.reasoning=train.")
         self.kind, self.template = _resolve_template(tokenizer, template)
         if tokenizer.eos_token_id is None:
             raise DataError(

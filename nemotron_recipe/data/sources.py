@@ -145,6 +145,11 @@ def check_data_config(data_cfg: Any) -> list[str]:
     reasoning = getattr(data_cfg, "reasoning", "train")
     if reasoning not in REASONING_MODES:
         errors.append(f"data.reasoning={reasoning!r}: unknown value. Fix: use one of {list(REASONING_MODES)}.")
+    elif reasoning == "answer_only" and data_cfg.train_on == "all":
+        errors.append(
+            "data.reasoning=answer_only with data.train_on=all: train_on=all makes every token a target, the "
+            "reasoning's too. Fix: data.train_on=assistant (or last_assistant), or data.reasoning=train."
+        )
     template = data_cfg.chat_template
     if template not in CHAT_TEMPLATES and "{" not in template:
         errors.append(

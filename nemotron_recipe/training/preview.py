@@ -57,9 +57,10 @@ def training_order(num_examples: int, cfg: Any, n: int) -> list[int]:
     """The first `n` example indices in the order training's optimizer steps read them (over all ranks)."""
     t = cfg.trainer
     plan = GlobalBatchPlan(num_examples, t.global_batch_size, t.micro_batch_size, 0, 1, cfg.seed)
+    n = min(n, num_examples)  # one epoch at most: later epochs show the same sequences again
     order: list[int] = []
     step = 0
-    while len(order) < min(n, num_examples):
+    while len(order) < n:
         order += plan.global_indices_for_step(step)
         step += 1
     return order[:n]
