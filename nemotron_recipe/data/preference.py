@@ -1,9 +1,10 @@
 """Preference pairs for DPO: rows of (prompt, chosen, rejected), rendered and tokenized as chats.
 
 A row's `prompt` is a string (one user turn) or a list of `{role, content}` turns ending with a user
-turn; `chosen` and `rejected` are each a string or a list holding one assistant turn. Each half of a
-pair is the conversation prompt + its response, rendered by the same chat formatter as SFT rows;
-its trained tokens are the response's (its content and EOS), over which DPO sums log-probs.
+turn; `chosen` and `rejected` are each a string or a list holding one assistant turn (which may carry
+`reasoning_content`). Each half of a pair is the conversation prompt + its response, rendered by the
+chat formatter SFT rows use (`encode_conversation`: `data.chat_template`, `data.reasoning`); its trained
+tokens are the response's, over which DPO sums log-probs.
 
 Lengths (`data.max_length_policy`): under `truncate` a sequence longer than `trainer.seq_len` keeps
 its start, so the prompt stays whole and the response is cut at the end; a pair where either half has
@@ -20,10 +21,10 @@ from typing import Any, Optional
 
 from transformers import PreTrainedTokenizerBase
 
-from .chat import ChatFormatter, describe
+from .chat import ChatFormatter, describe, encode_conversation
 from .examples import IGNORE_INDEX, SFTExamples
 from .sft import split_indices
-from .sources import MAX_LENGTH_POLICIES, Columns, DataError, Rows, _check_turns, load_rows
+from .sources import MAX_LENGTH_POLICIES, REASONING_FIELD, Columns, DataError, Rows, _check_turns, load_rows
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,9 @@ class PreferenceColumns:
         response = key != self.prompt_key
         if isinstance(value, str):
             return [{"role": "assistant" if response else "user", "content": value}]
-        turns = _check_turns(value, where, self._turns_columns(key))
-        turns = [{"role": t[self.role_key], "content": t[self.content_key]} for t in turns]
+        turns = [{"role": t[self.role_key], "content": t[self.content_key],
+                  **({REASONING_FIELD: t[REASONING_FIELD]} if t.get(REASONING_FIELD) is not None else {})}
+                 for t in _check_turns(value, where, self._turns_columns(key))]
         if response and (len(turns) != 1 or turns[0]["role"] != "assistant"):
             raise DataError(
                 f"{where}: {key!r} must be a string or a list of one assistant turn, got roles "
@@ -164,7 +166,7 @@ def tokenize_pairs(rows: Rows, formatter: ChatFormatter, cols: PreferenceColumns
                 continue
             conversations += [prompt + chosen, prompt + rejected]
             where += [w, w]
-        encoded = formatter.encode(conversations, where)
+        encoded = [encode_conversation(formatter, turns, w) for turns, w in zip(conversations, where)]
         for k in range(0, len(encoded), 2):
             add_pair(out, encoded[k: k + 2], seq_len, max_length_policy)
     return out
@@ -217,7 +219,9 @@ def load_preference_data(data_cfg: Any, tokenizer: PreTrainedTokenizerBase, *, s
                          seed: int) -> PreferenceData:
     """Train and validation pairs as the `data` config says (`data.format=preference`)."""
     cols = PreferenceColumns.from_config(data_cfg)
-    formatter = ChatFormatter(tokenizer, template=data_cfg.chat_template, train_on="last_assistant")
+    # The response is the final assistant turn: the chat template and the reasoning options apply as in SFT.
+    formatter = ChatFormatter(tokenizer, template=data_cfg.chat_template, train_on="last_assistant",
+                              reasoning=data_cfg.reasoning, train_empty_think=data_cfg.train_empty_think)
     kw = dict(seq_len=seq_len, max_length_policy=data_cfg.max_length_policy)
     train_rows = load_rows(data_cfg.train_file, field_name="data.train_file", cols=cols, split=data_cfg.train_split)
     val: Optional[PreferencePairs] = None
