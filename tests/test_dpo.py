@@ -291,7 +291,7 @@ def test_the_planner_counts_two_sequences_per_pair_the_reference_forward_and_the
 
     def report(*overrides: str) -> dict:
         with initialize_config_dir(config_dir=str(CONF), version_base=None):
-            return plan_report(compose(config_name="plan", overrides=["trainer.preflight=false", *overrides]))[0]
+            return plan_report(compose(config_name="plan", overrides=["run_dir=.", *overrides]))[0]
 
     sft, base = report("peft=lora"), report("objective=dpo", "peft=lora")
     copy, precomputed = (report("objective=dpo", f"objective.reference={r}") for r in ("copy", "precomputed"))
