@@ -274,12 +274,17 @@ def test_meshes_equal_one_process(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     single = train_rows(tmp_path / "single")
+    worst = {}
     for name in meshes:
         rows = train_rows(tmp_path / name)
-        assert len(rows) == 5
-        for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected"):
-            for a, b in zip(rows, single):
-                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (name, key, a["step"])
+        assert len(rows) == 5, name
+        for key in ("loss", "grad_norm"):
+            worst[name, key] = max(abs(a[key] - b[key]) / abs(b[key]) for a, b in zip(rows, single))
+        # Rewards are beta x differences of log-probs some 100x larger: compared absolutely.
+        for key in ("rewards/chosen", "rewards/rejected"):
+            worst[name, key] = max(abs(a[key] - b[key]) for a, b in zip(rows, single))
+    print(worst)
+    assert all(v <= (1e-5 if k[1] in ("loss", "grad_norm") else 1e-6) for k, v in worst.items()), worst
 
 
 # ---------------------------------------------------------------------------------------- the planner
