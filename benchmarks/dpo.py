@@ -15,7 +15,7 @@ The steps alternate within each round, so load on a shared machine falls on all 
 its median. Parameter memory: the bytes of the distinct parameter and buffer storages the step's
 models hold (the policy, plus the copy under reference=copy).
 
-Each run appends a row to benchmarks/RESULTS.md with the exact command (`--no-record` to skip).
+Each run appends a row to a table in benchmarks/RESULTS.md with the exact command (`--no-record` to skip).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import sys
 
 import torch
 
-from benchmarks.throughput import BENCH_PRESETS, RESULTS, device_name, interleaved_times
+from benchmarks.results import append_row, measured, mib
+from benchmarks.throughput import BENCH_PRESETS, device_name, interleaved_times
 from nemotron_recipe.models.nemotron_v3 import PRESETS, NemotronHForCausalLM
 from nemotron_recipe.models.nemotron_v3.lora import DEFAULT_TARGETS, LoRASpec, add_adapters, freeze_base, init_adapters
 from nemotron_recipe.training.loss import IGNORE_INDEX, forward_loss_sum
@@ -36,6 +37,8 @@ from nemotron_recipe.training.objectives.dpo_loss import preference_loss, sequen
 from nemotron_recipe.training.objectives.reference import BaseReference, CopyReference
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+HEADER = ("| date (commit) | device | model | base dtype | pairs x (prompt + response) | sft s/step | dpo base s/step | "
+          "dpo copy s/step | dpo base / sft | copy / base | parameter memory: sft / base adds / copy adds | command |")
 
 
 def build(cfg, dtype: torch.dtype, seed: int, adapters: bool, device: torch.device) -> torch.nn.Module:
@@ -134,15 +137,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     size = args.preset + (f" (hidden {args.hidden})" if args.hidden else "")
     command = "python -m benchmarks.dpo " + shlex.join(argv if argv is not None else sys.argv[1:])
-    row = (f"| dpo | {device_name(device)} | {size} | {args.dtype} LoRA r8 | {args.pairs} pairs x "
-           f"{args.prompt_len}+{args.response_len} | sft {med['sft']:.3f} s, dpo base {med['dpo base']:.3f} s, "
-           f"dpo copy {med['dpo copy']:.3f} s | base/sft {base_ratio:.2f}x (cpu "
-           f"{med_cpu['dpo base'] / med_cpu['sft']:.2f}x), copy/base {copy_ratio:.2f}x | parameter memory: sft "
-           f"{memory['sft'] / 2**20:.1f} MiB, base +{(memory['dpo base'] - memory['sft']) / 2**20:.1f} MiB, copy "
-           f"+{(memory['dpo copy'] - memory['dpo base']) / 2**20:.1f} MiB | `{command}` |\n")
-    with open(RESULTS, "a", encoding="utf-8") as f:
-        f.write(row)
-
+    append_row(HEADER, (
+        f"| {measured()} | {device_name(device)} | {size} | {args.dtype} | {args.pairs} x "
+        f"({args.prompt_len} + {args.response_len}) | {med['sft']:.3f} | {med['dpo base']:.3f} | "
+        f"{med['dpo copy']:.3f} | {base_ratio:.2f}x (cpu {med_cpu['dpo base'] / med_cpu['sft']:.2f}x) | "
+        f"{copy_ratio:.2f}x (cpu {med_cpu['dpo copy'] / med_cpu['dpo base']:.2f}x) | {mib(memory['sft'])} / "
+        f"+{mib(memory['dpo base'] - memory['sft'])} / +{mib(memory['dpo copy'] - memory['dpo base'])} | `{command}` |"))
 
 if __name__ == "__main__":
     main()
