@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
+from nemotron_recipe.config_keys import unknown_key_problems
 from nemotron_recipe.distributed.env import launched_world_size
 from nemotron_recipe.distributed.plan import ParallelConfigError, ParallelPlan, check_experts_split
 from nemotron_recipe.models.nemotron_v3.checkpoint import CheckpointError, checkpoint_weight_dtypes, weight_file_problem
@@ -357,6 +359,10 @@ def _check_path(errors: list[str], name: str, value: Optional[str], *, allow_dir
 def _positive(errors: list[str], name: str, value: Any, *, allow_zero: bool = False) -> None:
     if value is None:
         return
+    if not math.isfinite(value):  # nan passes every comparison below, inf every lower bound
+        errors.append(f"{name}={value!r}: must be a finite number. Fix: set a finite value (null where the field "
+                      "allows it turns it off).")
+        return
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         errors.append(f"{name}={value!r}: must be {bound}. Fix: set a value {bound}.")
@@ -435,6 +441,8 @@ def validate_config(cfg: Any, world_size: int | None = None) -> tuple[NemotronHC
     every rank fails identically and early. Returns the model config and the parallel plan (for the
     world size the launcher set, or `world_size` for a launch being planned), which it had to build anyway.
     """
+    if unknown := unknown_key_problems(cfg):  # nothing else is worth checking in a config nothing reads right
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(unknown))
     errors = _trainer_problems(cfg.trainer, cfg.checkpoint) + _optim_problems(cfg.optim)
     plan, parallel_errors = _parallel_problems(cfg, world_size)
     errors += parallel_errors

@@ -82,6 +82,12 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from recipes.cli import HELP_FLAGS, check_override_keys, print_help
+
+    check_override_keys([a for a in sys.argv[1:] if a != "--json"], PlanEntryConfig)
+    if any(a in HELP_FLAGS for a in sys.argv[1:]):
+        print_help([a for a in sys.argv[1:] if a != "--json"], "plan", "plan")
+        sys.exit(0)
     if "--json" in sys.argv:
         sys.argv = [a for a in sys.argv if a != "--json"] + ["plan.format=json"]
     main()
