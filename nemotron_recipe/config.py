@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import math
 import os
 import typing
@@ -24,13 +25,16 @@ from nemotron_recipe.config_keys import unknown_key_problems
 from nemotron_recipe.distributed.env import launched_world_size
 from nemotron_recipe.distributed.plan import ParallelConfigError, ParallelPlan, check_experts_split
 from nemotron_recipe.models.nemotron_v3.checkpoint import CheckpointError, checkpoint_weight_dtypes, weight_file_problem
-from nemotron_recipe.models.nemotron_v3.config import ModelConfigError, NemotronHConfig
+from nemotron_recipe.models.hub import resolve_pretrained
+from nemotron_recipe.models.nemotron_v3.config import PRESET_LR, ModelConfigError, NemotronHConfig, matching_preset
 from nemotron_recipe.models.nemotron_v3.lora import DEFAULT_TARGETS, LoRAError, lora_spec_problem
 
 WANDB_MODES = ("disabled", "offline", "online")
 DEVICES = ("auto", "cpu", "cuda")
 NONFINITE_MODES = ("stop", "skip")
 PREFLIGHT_MODES = (True, False, "warn")
+
+log = logging.getLogger(__name__)
 
 # Shipped with the package, next to the data layer that documents their format.
 ASSETS_DIR = Path(__file__).resolve().parent / "data" / "assets"
@@ -105,7 +109,7 @@ def _make_model_config_class() -> type:
     cls.__module__ = __name__
     cls.__doc__ = (
         "Which model to build: `preset` (a name in PRESETS) or `pretrained` (a Hugging Face checkpoint "
-        "directory, which takes precedence), with any non-None field overriding that base config."
+        "directory or hub id, which takes precedence), with any non-None field overriding that base config."
     )
     return cls
 
@@ -188,7 +192,9 @@ class DataConfig:
 class OptimConfig:
     """AdamW with linear warmup, then cosine decay to `lr * min_lr_ratio` at `trainer.max_steps`."""
 
-    lr: float = 3e-3
+    # None: the model's own (PRESET_LR: its preset's, or that of the released model a checkpoint has the shapes
+    # of), for full fine-tuning or for LoRA as peft.method says; the run logs which.
+    lr: Optional[float] = None
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
@@ -414,7 +420,7 @@ def _parallel_problems(cfg: Any, world_size: int | None = None) -> tuple[Paralle
     return plan, []
 
 
-def _input_problems(cfg: Any) -> list[str]:
+def _input_problems(cfg: Any, weights: bool = True) -> list[str]:
     """Data, tokenizer, run directory and pretrained weights."""
     # Imported here: the data layer pulls in transformers and datasets, which composing a config should not.
     from nemotron_recipe.data.sources import check_data_config
@@ -429,32 +435,59 @@ def _input_problems(cfg: Any) -> list[str]:
             "run_dir: cannot be resolved. It defaults to Hydra's output directory, which exists only in "
             "a run launched through Hydra. Fix: set run_dir explicitly."
         )
-    if cfg.model.pretrained and (problem := weight_file_problem(Path(cfg.model.pretrained).expanduser())):
+    if weights and cfg.model.pretrained and (problem := weight_file_problem(Path(cfg.model.pretrained).expanduser())):
         errors.append(f"model.pretrained={cfg.model.pretrained!r}: {problem}")
     return errors
 
 
-def validate_config(cfg: Any, world_size: int | None = None) -> tuple[NemotronHConfig, ParallelPlan]:
+def validate_config(cfg: Any, world_size: int | None = None, *,
+                    weights: bool = True) -> tuple[NemotronHConfig, ParallelPlan]:
     """Check everything that can be checked before any process group, data or model exists.
 
     Raises `ConfigError` listing every problem at once (or `ModelConfigError` for the model), so
     every rank fails identically and early. Returns the model config and the parallel plan (for the
     world size the launcher set, or `world_size` for a launch being planned), which it had to build anyway.
+
+    Fills in what the config leaves to the model: a hub id in `model.pretrained` becomes its local
+    snapshot (downloaded; with `weights=False`, for planning, its config.json alone) and a null
+    `optim.lr` the model's own learning rate.
     """
     if unknown := unknown_key_problems(cfg):  # nothing else is worth checking in a config nothing reads right
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(unknown))
+    if cfg.model.pretrained:
+        cfg.model.pretrained = resolve_pretrained(cfg.model.pretrained, config_only=not weights)
     errors = _trainer_problems(cfg.trainer, cfg.checkpoint) + _optim_problems(cfg.optim)
     plan, parallel_errors = _parallel_problems(cfg, world_size)
     errors += parallel_errors
     _check_choice(errors, "logger.wandb.mode", cfg.logger.wandb.mode, WANDB_MODES)
-    errors += _input_problems(cfg)
+    errors += _input_problems(cfg, weights)
     errors += _peft_problems(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     model_config = build_model_config(cfg.model)
     if problems := _moe_problems(cfg, model_config, plan):
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+    if cfg.optim.lr is None:
+        cfg.optim.lr, source = model_lr(cfg, model_config)
+        log.info("optim.lr=%g: %s (set optim.lr to choose another)", cfg.optim.lr, source)
     return model_config, plan
+
+
+def model_lr(cfg: Any, model_config: NemotronHConfig) -> tuple[float, str]:
+    """The peak learning rate the model is fine-tuned with by default, and where it comes from: the
+    preset's, or for a checkpoint that of the released model whose shapes it has (else the preset's)."""
+    lora = getattr(cfg, "peft", None) is not None and cfg.peft.method == "lora"
+    kind = "LoRA" if lora else "full fine-tuning"
+    name, note = cfg.model.preset, ""
+    if cfg.model.pretrained:
+        if (match := matching_preset(model_config)) is not None:
+            name = match
+        else:
+            note = f"; model.pretrained has none of the released shapes, so preset {name}'s"
+    if name not in PRESET_LR:
+        raise ConfigError(f"optim.lr=null: preset {name!r} has no learning rate of its own. Fix: set optim.lr.")
+    lr = PRESET_LR[name].lora if lora else PRESET_LR[name].full
+    return lr, f"{name}'s {kind} learning rate (PRESET_LR in nemotron_recipe/models/nemotron_v3/config.py){note}"
 
 
 def _moe_problems(cfg: Any, model_config: NemotronHConfig, plan: ParallelPlan) -> list[str]:

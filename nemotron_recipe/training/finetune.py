@@ -249,6 +249,10 @@ class Trainer:
             "model: pattern %s, %.2fM parameters; world size %d, mesh %s",
             model.config.pattern, self.num_parameters / 1e6, self.env.world_size, self.mesh_shape,
         )
+        if not cfg.model.pretrained and self.env.is_main:
+            say = log.info if cfg.model.preset == "tiny" else log.warning
+            say("model: random weights (preset %s drawn from seed %d); to fine-tune released weights set "
+                "model.pretrained=<checkpoint directory or hub id>", cfg.model.preset, cfg.seed)
         self.lora = lora_spec(cfg)
         self._check_peft(model)
         model = self._parallelize(model, reapply_trainability=self._trainability())

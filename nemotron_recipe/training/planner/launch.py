@@ -37,7 +37,7 @@ class Launch:
                     hardware: Hardware | None = None, *, validated: tuple | None = None) -> Launch:
         """`validate_config`'s checks for `world_size` ranks, so a mesh that cannot work fails with
         the message the launch would give."""
-        config, plan = validated or validate_config(cfg, world_size)
+        config, plan = validated or validate_config(cfg, world_size, weights=False)
         t = cfg.trainer
         accum = max(t.global_batch_size // (t.micro_batch_size * plan.dp_size), 1)
         work = Workload(t.micro_batch_size, t.seq_len, t.loss_chunk_size or None)
