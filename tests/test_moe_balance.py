@@ -286,3 +286,34 @@ def test_expert_loads_reach_wandb_as_one_histogram_per_moe_block(tmp_path, monke
     (name, (counts, bins)), = loads[0][0].items()  # the tiny preset has one MoE block
     assert name == "moe/expert_load/block_0" and bins == list(range(9)) and len(counts) == 8
     assert sum(counts) > 0
+
+
+def test_the_balance_loss_leaves_the_mtp_layers_moe_blocks_alone():
+    """With MTP layers holding MoE blocks, `moe.aux_loss_coeff` weighs the decoder's MoE blocks only: the MTP
+    layers' gradients are exactly those without the balance loss, the decoder routers' are not, and the
+    metric sums the decoder blocks' losses alone."""
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    grads, blocks = [], {}
+    for coeff in (0.0, 0.5):
+        torch.manual_seed(0)
+        model = NemotronHForCausalLM(NemotronHConfig(pattern="EME", n_routed_experts=4, num_experts_per_tok=2,
+                                                     num_nextn_predict_layers=1, mtp_pattern="*E",
+                                                     mtp_loss_scale=0.3)).train()
+        balance = RouterBalance(model, None, 0.0, aux_loss_coeff=coeff, sequences_per_step=2)
+        mtp_blocks = [m for m in model.mtp.modules() if m in balance.blocks]
+        assert len(balance.blocks) == 3 and len(mtp_blocks) == 1  # two decoder blocks, one MTP block
+        model(ids, labels=ids).loss.backward()
+        balance.after_micro_batch()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        blocks[coeff] = (balance, mtp_blocks[0])
+    balance, mtp_block = blocks[0.5]
+    assert mtp_block.balance_loss_weight == 0.0 and mtp_block.balance_loss is None
+    assert [b.balance_loss_weight for b in balance.aux_blocks] == [0.25, 0.25] and mtp_block not in balance.aux_blocks
+    without, with_aux = grads
+    mtp_names = [n for n in without if n.startswith("mtp.")]
+    assert mtp_names and any("gate" in n for n in mtp_names)
+    for name in mtp_names:
+        assert torch.equal(with_aux[name], without[name]), name
+    assert not torch.equal(with_aux["model.layers.0.mixer.gate.weight"], without["model.layers.0.mixer.gate.weight"])
+    decoder_sum = sum(b.balance_loss for b in balance.aux_blocks).item()
+    assert balance.after_step(taken=True)["moe_aux_loss"] == pytest.approx(0.25 * decoder_sum, rel=1e-6)
