@@ -416,6 +416,19 @@ PRESET_LR: dict[str, PresetLR] = {
 }
 
 
+# The sequence length each preset is fine-tuned at: Megatron-Bridge's SFT recipes (the functions named above;
+# `_sft_common` sets 2048, the Nemotron-H recipes their 8K context), tiny the recipe's own default.
+PRESET_SEQ_LEN: dict[str, int] = {
+    "tiny": 128,
+    "nemotron_h_8b": 8192,
+    "nemotron_h_47b": 8192,
+    "nemotron_h_56b": 8192,
+    "nemotron_nano_9b_v2": 2048,
+    "nemotron3_nano_30b_a3b": 2048,
+    "nemotron3_super_120b_a12b": 2048,
+}
+
+
 def matching_preset(config: NemotronHConfig) -> str | None:
     """The preset whose shapes `config` has (a released checkpoint's own config.json), if any."""
     shape = ("pattern", "hidden_size", "num_attention_heads", "mamba_num_heads", "n_routed_experts")
