@@ -122,6 +122,20 @@ def _evaluate(planners: dict, launch: Launch) -> Outcome | None:
         return None  # the parallelizer (or the plan) refuses this variant
 
 
+def _faster(planners: dict, found: list[Suggestion]) -> list[Suggestion]:
+    """The fastest fitting change with expert parallel (MoE models) or sequence parallel (tp without it)
+    on top, where that still fits: they rarely save memory, so alone they seldom make a launch fit."""
+    if not found:
+        return []
+    best = found[0]
+    launch = best.outcome.launch
+    out = []
+    for change, variant in (*_expert_parallel(launch, launch.hardware.devices_per_node), *_sequence_parallel(launch)):
+        if change not in best.change and (outcome := _evaluate(planners, variant)) is not None and outcome.fits:
+            out.append(Suggestion(f"{best.change} {change}", outcome))
+    return out
+
+
 def suggest(planner: Planner, launch: Launch, base: Outcome, *, limit: int = 8) -> list[Suggestion]:
     """Ranked changes for `launch` (whose own outcome is `base`), reusing `planner`'s traces. When no
     single change fits on the same ranks, the one that saves the most is also tried with ac=full."""
@@ -144,6 +158,8 @@ def suggest(planner: Planner, launch: Launch, base: Outcome, *, limit: int = 8) 
             found.append(Suggestion(f"{first} {second}", outcome))
     found = [s for s in found if s.outcome.fits]  # a change that does not fit is no answer
     found.sort(key=lambda s: (s.outcome.time["floor_s"], s.outcome.estimate.device_total))
+    found = sorted(found + _faster(planners, found), key=lambda s: (s.outcome.time["floor_s"],
+                                                                    s.outcome.estimate.device_total))
     more = [Suggestion(change, o) for change, o in _more_ranks(planners, launch, base)]
     return (found[:limit - len(more)] + more)[:limit]
 
