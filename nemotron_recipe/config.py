@@ -475,7 +475,8 @@ def validate_config(cfg: Any, world_size: int | None = None, *,
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     if cfg.optim.lr is None:
         cfg.optim.lr, source = model_lr(cfg, model_config)
-        log.info("optim.lr=%g: %s (set optim.lr to choose another)", cfg.optim.lr, source)
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank takes the same rate; one says so
+            log.info("optim.lr=%g: %s (set optim.lr to choose another)", cfg.optim.lr, source)
     return model_config, plan
 
 
