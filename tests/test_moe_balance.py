@@ -25,7 +25,7 @@ from nemotron_recipe.training.finetune import run
 from nemotron_recipe.training.hf_io import load_checkpoint_model
 from nemotron_recipe.training.moe_balance import RouterBalance
 
-from helpers import PREFLIGHT_ON, RUN_BASE, compose_run, metrics_rows
+from helpers import PREFLIGHT_ON, RUN_BASE, SMALL_DIMS, compose_run, metrics_rows
 
 
 def _model() -> NemotronHForCausalLM:
@@ -328,9 +328,8 @@ def test_the_balance_loss_leaves_the_mtp_layers_moe_blocks_alone():
     grads, blocks = [], {}
     for coeff in (0.0, 0.5):
         torch.manual_seed(0)
-        model = NemotronHForCausalLM(NemotronHConfig(pattern="EME", n_routed_experts=4, num_experts_per_tok=2,
-                                                     num_nextn_predict_layers=1, mtp_pattern="*E",
-                                                     mtp_loss_scale=0.3)).train()
+        model = NemotronHForCausalLM(NemotronHConfig(**{**SMALL_DIMS, "pattern": "EME", "num_nextn_predict_layers": 1,
+                                                        "mtp_pattern": "*E", "mtp_loss_scale": 0.3})).train()
         balance = RouterBalance(model, None, 0.0, aux_loss_coeff=coeff, sequences_per_step=2)
         mtp_blocks = [m for m in model.mtp.modules() if m in balance.blocks]
         assert len(balance.blocks) == 3 and len(mtp_blocks) == 1  # two decoder blocks, one MTP block
