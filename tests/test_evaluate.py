@@ -191,3 +191,17 @@ def test_task_data_is_made_deterministically_from_the_shipped_data(tmp_path):
     val = [json.loads(line) for line in (REPO / "nemotron_recipe/data/assets/tiny_sft_val.jsonl").read_text().splitlines()]
     assert [r["question"] for r in rows] == [v["prompt"] for v in val]
     assert all(r["choices"][r["gold"]] == v["response"] and len(set(r["choices"])) == 4 for r, v in zip(rows, val))
+
+
+def test_shipped_tasks_run_offline_without_probing_the_network(monkeypatch):
+    from nemotron_recipe.evaluation import tasks
+
+    for key in tasks.OFFLINE_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(tasks, "hub_reachable", lambda *a: pytest.fail("probed the network for a shipped task"))
+    assert tasks.prepare_network([TASK]) is True
+    assert all(tasks.os.environ[k] == "1" for k in tasks.OFFLINE_ENV)
+    monkeypatch.setattr(tasks, "hub_reachable", lambda *a: False)
+    for key in tasks.OFFLINE_ENV:
+        monkeypatch.delenv(key)
+    assert tasks.prepare_network(["hellaswag"]) is True  # no network: offline, so a cached dataset still loads

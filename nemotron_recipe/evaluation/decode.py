@@ -26,7 +26,7 @@ def greedy_continue(
     device = next(model.parameters()).device
     rows = [list(p) for p in prompts]
     out: list[list[int]] = [[] for _ in rows]
-    live = [i for i in range(len(rows)) if max_new_tokens > 0]
+    live = list(range(len(rows)))
     stops = set(stop_ids)
     for _ in range(max_new_tokens):
         if not live:

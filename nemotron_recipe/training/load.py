@@ -78,8 +78,8 @@ def load_for_inference(path: str | Path, *, device: str | torch.device = "cpu", 
     kind = source_kind(path)
     if kind == "hf":
         p = Path(path).expanduser()
-        model, tokenizer = NemotronHForCausalLM.from_pretrained(str(p)), _tokenizer(p, p)
-        found, length = p, _hf_context_length(p)
+        tokenizer = _tokenizer(p, p)  # before the weights: a missing one fails fast
+        model, found, length = NemotronHForCausalLM.from_pretrained(str(p)), p, _hf_context_length(p)
     else:
         model, tokenizer, found, kind = _load_checkpoint(path)
         length = DEFAULT_CONTEXT_LENGTH
@@ -109,15 +109,17 @@ def _load_checkpoint(path: str | Path) -> tuple[NemotronHForCausalLM, Any, Path,
 
 
 def _tokenizer(where: str | Path | None, owner: Path) -> Any:
+    """The tokenizer at `where` (a directory holding tokenizer.json, or the file), else an error naming `owner`."""
     from nemotron_recipe.data import load_tokenizer
 
-    if not where or not Path(where).exists() or (Path(where).is_dir() and not (Path(where) / "tokenizer.json").is_file()):
+    path = Path(where).expanduser() if where else None
+    if path is None or not (path.is_file() or (path / "tokenizer.json").is_file()):
         raise CheckpointError(
             f"{owner}: no tokenizer (looked for {where or 'a recorded tokenizer'}). Fix: save the model's tokenizer "
             "there (tokenizer.json, tokenizer_config.json), or export the checkpoint with `python -m recipes.export`, "
             "which writes it."
         )
-    return load_tokenizer(where)
+    return load_tokenizer(path)
 
 
 def _hf_context_length(path: Path) -> int:
