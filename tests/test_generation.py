@@ -74,3 +74,82 @@ def test_completion_does_not_depend_on_batch_or_padding():
     alone = [generate(model, [p], config)[0] for p in prompts]
     assert [r.completion_ids for r in together] == [r.completion_ids for r in alone]
     assert all(r.finish_reason == "length" and len(r.completion_ids) == 10 and r.text is None for r in together)
+
+
+def test_same_seed_same_text_whatever_the_batch():
+    model = _model()
+    prompts = _prompts([7, 3, 10])
+    sample = dict(max_new_tokens=12, greedy=False, temperature=1.3, top_k=20, top_p=0.95)
+    first = generate(model, prompts, GenerationConfig(seed=5, batch_size=3, **sample))
+    again = generate(model, prompts, GenerationConfig(seed=5, batch_size=1, **sample))
+    other = generate(model, prompts, GenerationConfig(seed=6, batch_size=3, **sample))
+    greedy = generate(model, prompts, GenerationConfig(max_new_tokens=12))
+    ids = [r.completion_ids for r in first]
+    assert ids == [r.completion_ids for r in again]
+    assert ids != [r.completion_ids for r in other]
+    assert ids != [r.completion_ids for r in greedy]
+    top1 = generate(model, prompts, GenerationConfig(seed=5, max_new_tokens=12, greedy=False, top_k=1))
+    assert [r.completion_ids for r in top1] == [r.completion_ids for r in greedy]
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    kept = lambda k, p: torch.isfinite(filter_logits(logits, k, p))[0].tolist()  # noqa: E731
+    assert kept(2, 1.0) == [True, True, False, False]
+    assert kept(0, 0.5) == [True, False, False, False]  # the first token reaches 0.5 alone
+    assert kept(0, 0.7) == [True, True, False, False]
+    assert kept(0, 0.81) == [True, True, True, False]
+    assert kept(3, 0.99) == [True, True, True, False]
+
+
+def test_eos_ends_a_completion_without_being_part_of_it():
+    model = _model()
+    prompt = _prompts([6])[0]
+    full = generate(model, [prompt], GenerationConfig(max_new_tokens=12))[0].completion_ids
+    at = next(i for i in range(1, 12) if full[i] not in full[:i])
+    ended = generate(model, [prompt], GenerationConfig(max_new_tokens=12, eos_token_ids=(full[at],)))[0]
+    assert (ended.completion_ids, ended.finish_reason) == (full[:at], "eos")
+
+
+def test_stop_strings_and_streaming_with_the_tokenizer():
+    from nemotron_recipe.data import load_tokenizer
+    from nemotron_recipe.data.tokenizer import DEFAULT_ASSETS_DIR
+
+    tokenizer = load_tokenizer(DEFAULT_ASSETS_DIR)
+    model = _model(vocab_size=len(tokenizer))
+    prompts = [tokenizer.encode("The answer is"), tokenizer.encode("Hello")]
+    config = GenerationConfig(max_new_tokens=16, eos_token_ids=())
+    full = generate(model, prompts, config, tokenizer=tokenizer)
+    text = full[0].text
+    assert text == tokenizer.decode(full[0].completion_ids, skip_special_tokens=True)
+    at = next(i for i in range(1, len(text) - 2) if text[i:i + 2] not in text[:i + 1])
+    stop = text[at:at + 2]
+    streamed = {0: "", 1: ""}
+
+    def on_text(index, delta):
+        streamed[index] += delta
+
+    cut = generate(model, prompts, GenerationConfig(max_new_tokens=16, eos_token_ids=(), stop_strings=(stop,)),
+                   tokenizer=tokenizer, stream=on_text)
+    assert (cut[0].text, cut[0].finish_reason) == (text[:at], "stop")
+    assert full[0].completion_ids[:len(cut[0].completion_ids)] == cut[0].completion_ids
+    assert streamed == {0: cut[0].text, 1: cut[1].text}
+
+
+@pytest.mark.parametrize("prompts,config,needle", [
+    ([[]], GenerationConfig(), "prompt 0 is empty"),
+    ([[1, 2], [70]], GenerationConfig(), "prompt 1 holds token ids [70] outside the model's vocabulary"),
+    ([[1] * 10], GenerationConfig(max_new_tokens=8, max_length=16), "at most 8 tokens"),
+    ([[1]], GenerationConfig(stop_strings=("x",)), "pass the tokenizer"),
+])
+def test_bad_prompts_are_named_before_any_work(prompts, config, needle):
+    with pytest.raises(GenerationError) as err:
+        generate(_model(), prompts, config)
+    assert needle in str(err.value)
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(GenerationError, match="top_p=1.5"):
+        GenerationConfig(top_p=1.5)
+    with pytest.raises(GenerationError, match="temperature=0"):
+        GenerationConfig(temperature=0)
