@@ -3,7 +3,8 @@
 `NativeLM` scores and generates the way lm-eval's Hugging Face backend (`hf`) does, so the two give
 the same numbers on a checkpoint and on its export: the same tokenization (a string that starts
 with BOS is not given a second one), the same left truncation to the context length, the same
-rolling windows for perplexity, and greedy generation cut at the task's stop strings and EOS.
+rolling windows for perplexity, and greedy generation cut at the task's stop strings and EOS
+(`nemotron_recipe.generation.generate`, with its cache of Mamba and attention state).
 Scoring runs in batches of `batch_size` sequences, right-padded: the model is causal, so padding
 after a sequence never changes its log-probabilities.
 """
@@ -20,7 +21,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from tqdm import tqdm
 
-from nemotron_recipe.evaluation.decode import greedy_continue
+from nemotron_recipe.generation import GenerationConfig, generate
 
 Scored = tuple[tuple[str, str] | None, list[int], list[int]]  # (request strings, context ids, continuation ids)
 
@@ -118,7 +119,8 @@ class NativeLM(TemplateLM):
 
     # ------------------------------------------------------------------ generation
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        """Greedy continuations, each cut before the first of its stop strings (EOS among them)."""
+        """Continuations (greedy unless the task samples), each cut before the first of its stop strings (EOS
+        among them)."""
         eos = self.tokenizer.decode([self.eot_token_id], skip_special_tokens=False)
         results: list[str | None] = [None] * len(requests)
         groups: dict[str, list[int]] = {}
@@ -128,13 +130,10 @@ class NativeLM(TemplateLM):
         for members in groups.values():
             kwargs = normalize_gen_kwargs(dict(requests[members[0]].args[1]), self.max_gen_toks)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
-            max_new = kwargs.pop("max_gen_toks")
-            if kwargs.get("do_sample"):
-                raise ValueError(f"generation settings {requests[members[0]].args[1]}: this model generates greedily "
-                                 "only. Fix: evaluate the task with do_sample=false (--gen-kwargs do_sample=false).")
+            config = _generation_config(kwargs, until, self.eot_token_id, self.batch_size)
             for start in range(0, len(members), self.batch_size):
                 batch = members[start:start + self.batch_size]
-                texts = self._generate([requests[i].args[0] for i in batch], until, max_new)
+                texts = self._generate([requests[i].args[0] for i in batch], until, config)
                 for i, text in zip(batch, texts, strict=True):
                     results[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
@@ -142,18 +141,24 @@ class NativeLM(TemplateLM):
         bar.close()
         return results  # type: ignore[return-value]
 
-    def _generate(self, contexts: list[str], until: list[str], max_new: int) -> list[str]:
-        room = self.max_length - max_new
+    def _generate(self, contexts: list[str], until: list[str], config: GenerationConfig) -> list[str]:
+        room = self.max_length - config.max_new_tokens
         if room <= 0:
-            raise ValueError(f"max_gen_toks={max_new} leaves no room for a prompt in the context length "
+            raise ValueError(f"max_gen_toks={config.max_new_tokens} leaves no room for a prompt in the context length "
                              f"{self.max_length}. Fix: lower max_gen_toks or raise --max-length.")
         prompts = [self.tok_encode(c, left_truncate_len=room) for c in contexts]
+        # Texts decoded without special tokens and cut before the first stop string, as lm-eval's hf backend does.
+        return [postprocess_generated_text(r.text, until, None)
+                for r in generate(self.model, prompts, config, tokenizer=self.tokenizer)]
 
-        def stopped(tokens: list[int]) -> bool:
-            text = self.tokenizer.decode(tokens, skip_special_tokens=False)
-            return any(s and s in text for s in until)
 
-        new = greedy_continue(self.model, prompts, max_new_tokens=max_new, stop_ids=[self.eot_token_id], stop=stopped,
-                              pad_id=self.pad_id)
-        return [postprocess_generated_text(self.tokenizer.decode(t, skip_special_tokens=True), until, None)
-                for t in new]
+def _generation_config(kwargs: dict[str, Any], until: list[str], eos: int, batch_size: int) -> GenerationConfig:
+    """lm-eval's normalized generation settings as `generate`'s: greedy unless `do_sample`, then its
+    temperature, top_k and top_p (seeded, so a run repeats)."""
+    sample = bool(kwargs.get("do_sample"))
+    return GenerationConfig(
+        max_new_tokens=int(kwargs["max_gen_toks"]), greedy=not sample, eos_token_ids=(eos,),
+        stop_strings=tuple(s for s in until if s), batch_size=batch_size,
+        temperature=float(kwargs.get("temperature") or 1.0) if sample else 1.0,
+        top_k=int(kwargs.get("top_k") or 0) if sample else 0, top_p=float(kwargs.get("top_p") or 1.0) if sample else 1.0,
+    )
