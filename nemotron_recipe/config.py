@@ -160,7 +160,7 @@ class FSDPConfig:
 
 @dataclass
 class DataConfig:
-    """SFT data; the README's "Data" section describes formats, chat rows, packing and validation."""
+    """SFT data; docs/data.md describes formats, chat rows, packing and validation."""
 
     # A .jsonl/.json/.parquet/.csv file, or a Hugging Face hub dataset id "org/name".
     train_file: str = "${nr_asset:tiny_sft_train.jsonl}"

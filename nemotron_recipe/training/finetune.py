@@ -36,13 +36,13 @@ from nemotron_recipe.data import (
 )
 from nemotron_recipe.distributed.env import DistEnv, distributed
 from nemotron_recipe.distributed.plan import ParallelPlan
-from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM, build_meta_model
 from nemotron_recipe.models.nemotron_v3.lora import add_adapters, freeze_base, is_adapter
 from nemotron_recipe.models.nemotron_v3.mtp import shift_for_mtp
 from nemotron_recipe.training.checkpoint import Checkpointer
 from nemotron_recipe.training.compile import compile_blocks
 from nemotron_recipe.training.cpu_memory import keep_freed_memory
-from nemotron_recipe.training.hf_io import build_meta_model, export_run_checkpoint, load_hf_sharded
+from nemotron_recipe.training.hf_io import export_run_checkpoint, load_hf_sharded
 from nemotron_recipe.training.logging import MetricsWriter, TrainMetrics, earlier_val_losses, print_summary
 from nemotron_recipe.training.moe_balance import RouterBalance, freeze_routers
 from nemotron_recipe.training.lora import base_record, lora_spec, peft_record, start_adapters, store_base
