@@ -3,8 +3,8 @@
 `tiny_sft_mc` asks each prompt of the shipped validation set (data/assets/tiny_sft_val.jsonl) with
 four answers: the true response and three near misses made the way the task's data was (another
 colour, another opposite, a wrong sum or count, the words in another order). Only the answer
-differs between the choices, so picking the right one needs what fine-tuning teaches; a model
-that has not learnt the data scores about 25%. Few-shot examples come from the first rows of the
+differs between the choices, so picking the right one needs what fine-tuning teaches; guessing
+scores 25%. Few-shot examples come from the first rows of the
 training set, made the same way.
 
 Outputs are committed and byte-for-byte reproducible:
