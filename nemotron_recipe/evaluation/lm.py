@@ -3,7 +3,7 @@
 `NativeLM` scores and generates the way lm-eval's Hugging Face backend (`hf`) does, so the two give
 the same numbers on a checkpoint and on its export: the same tokenization (a string that starts
 with BOS is not given a second one), the same left truncation to the context length, the same
-rolling windows for perplexity, and greedy generation cut at the task's stop strings and EOS
+rolling windows for perplexity, and generation (greedy unless the task samples) cut at the task's stop strings and EOS
 (`nemotron_recipe.generation.generate`, with its cache of Mamba and attention state).
 Scoring runs in batches of `batch_size` sequences, right-padded: the model is causal, so padding
 after a sequence never changes its log-probabilities.
