@@ -276,6 +276,16 @@ class PeftConfig:
 
 
 @dataclass
+class EvalConfig:
+    """lm-eval tasks (as `recipes.evaluate` runs them) evaluated on the final checkpoint at the end of
+    training; their metrics go to metrics.jsonl, the summary and wandb. `limit`: at most this many
+    examples per task (None: all)."""
+
+    tasks: list[str] = field(default_factory=list)
+    limit: Optional[int] = None
+
+
+@dataclass
 class WandbConfig:
     mode: str = "disabled"
     project: str = "nemotron-recipe"
@@ -306,6 +316,7 @@ class FinetuneConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     seed: int = 1234
     run_dir: str = "${hydra:runtime.output_dir}"
@@ -468,6 +479,7 @@ def validate_config(cfg: Any, world_size: int | None = None, *,
     _check_choice(errors, "logger.wandb.mode", cfg.logger.wandb.mode, WANDB_MODES)
     errors += _input_problems(cfg, weights)
     errors += _peft_problems(cfg)
+    errors += _eval_problems(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     model_config = build_model_config(cfg.model)
@@ -551,6 +563,30 @@ def _peft_problems(cfg: Any) -> list[str]:
     except (ModelConfigError, LoRAError) as e:
         problem = str(e)
     return [problem] if problem else []
+
+
+def _eval_problems(cfg: Any) -> list[str]:
+    """`eval.tasks` must name tasks lm-eval can run here (checked now: the run would find out only after
+    training), on a final checkpoint the run saves."""
+    e = getattr(cfg, "eval", None)
+    if e is None or not e.tasks:
+        return []
+    errors: list[str] = []
+    _positive(errors, "eval.limit", e.limit)
+    if not cfg.checkpoint.save_final:
+        errors.append(f"eval.tasks={list(e.tasks)}: they run on the final checkpoint, and checkpoint.save_final=false "
+                      "saves none. Fix: checkpoint.save_final=true, or eval.tasks=[] (then `python -m recipes.evaluate` "
+                      "evaluates any checkpoint later).")
+    # Imported here: lm-eval is optional, and composing a config without eval.tasks must not need it.
+    from nemotron_recipe.evaluation.tasks import EvalError, check_tasks, prepare_network, require_lm_eval, task_manager
+
+    try:
+        require_lm_eval()
+        offline = prepare_network(e.tasks)
+        check_tasks(task_manager(list(e.tasks)), list(e.tasks), offline=offline)
+    except EvalError as err:
+        errors.append(f"eval.tasks={list(e.tasks)}: {str(err).replace('--tasks: ', '')}")
+    return errors
 
 
 def _method_problems(p: Any) -> list[str]:
