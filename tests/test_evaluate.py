@@ -10,7 +10,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
 from nemotron_recipe.evaluation.tasks import SHIPPED_DIR, EvalError, check_tasks
 from nemotron_recipe.training.finetune import run
