@@ -12,7 +12,7 @@ from nemotron_recipe.distributed.plan import ParallelPlan
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig
 
 from .activations import Workload
-from .comms import Hardware, activation_bytes, fsdp_bytes, moe_tp_bytes, step_floor
+from .comms import Hardware, activation_bytes, fsdp_bytes, moe_tp_bytes, offload_bytes, step_floor
 from .estimate import MemoryEstimate, Planner
 from .world import Trainability
 
@@ -38,7 +38,7 @@ class Launch:
                     hardware: Hardware | None = None, *, validated: tuple | None = None) -> Launch:
         """`validate_config`'s checks for `world_size` ranks, so a mesh that cannot work fails with
         the message the launch would give."""
-        config, plan = validated or validate_config(cfg, world_size)
+        config, plan = validated or validate_config(cfg, world_size, weights=False)
         t = cfg.trainer
         accum = max(t.global_batch_size // (t.micro_batch_size * plan.dp_size), 1)
         # objective=dpo: batches count pairs, each two sequences (chosen, rejected) of one forward.
@@ -69,7 +69,8 @@ def evaluate(planner: Planner, launch: Launch) -> Outcome:
     if launch.reference_copy:  # the copy's parameters are the policy's, frozen (an adapter's worth more)
         est = dataclasses.replace(est, reference=est.state.params)
     traffic = {**fsdp_bytes(launch.plan, est.state, launch.grad_accum),
-               **activation_bytes(launch.config, launch.plan, launch.work, launch.grad_accum)}
+               **activation_bytes(launch.config, launch.plan, launch.work, launch.grad_accum),
+               **offload_bytes(launch.plan, est.state, launch.grad_accum)}
     if launch.work.reference_forward and "fsdp_all_gather" in traffic:  # the reference forward gathers once more
         gathers = 1 if launch.plan.reshard_after_forward is False else 2
         traffic["fsdp_all_gather"] *= (gathers + 1) / gathers
