@@ -11,7 +11,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from nemotron_recipe.config import ConfigError
-from nemotron_recipe.data import SFTData, load_sft_data, load_tokenizer
+from nemotron_recipe.data import load_sft_data, load_tokenizer
 
 
 def load_training_data(cfg: Any, vocab_size: int) -> tuple[PreTrainedTokenizerBase, Any]:
