@@ -10,9 +10,11 @@ from nemotron_recipe.data import load_tokenizer
 from nemotron_recipe.data.tokenizer import DEFAULT_ASSETS_DIR
 from nemotron_recipe.generation import GenerationConfig, generate
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.training.finetune import run
+from nemotron_recipe.training.hf_io import export_hf
 from recipes import generate as recipe
 
-from helpers import SMALL_DIMS
+from helpers import RUN_BASE, SMALL_DIMS, compose_run
 
 PROMPTS = ["Hello there", "The answer is forty"]
 
@@ -81,3 +83,21 @@ def test_bad_input_is_one_line_before_any_weight_is_read(model_dir, tmp_path, mo
     assert recipe.main([str(path), "--prompt", "one two three four five six seven", *extra]) == 1
     err = capsys.readouterr().err.strip()
     assert needle in err and err.startswith("Error: ") and "\n" not in err
+
+
+def test_lora_checkpoint_generates_as_its_merged_export_and_its_peft_adapter(model_dir, tmp_path, capsys):
+    """Three LoRA steps on `model_dir` (every default target, routed experts and Mamba2 out_proj
+    included): greedy ids from the checkpoint (adapters unmerged, on the base it recorded) equal those
+    of its `--merge` export and of its PEFT adapter directory on that base."""
+    overrides = ["peft=lora", "peft.base_dtype=fp32", f"model.pretrained={model_dir}", "trainer.max_steps=3",
+                 "trainer.val_every=0", "optim.warmup_steps=0", "optim.lr=1e-2"]
+    checkpoint = run(compose_run(tmp_path / "run", *overrides, base=RUN_BASE))["checkpoint"]
+    export_hf(checkpoint, tmp_path / "merged", merge=True)
+    export_hf(checkpoint, tmp_path / "adapter")
+    capsys.readouterr()  # the training run's console output
+    args = ["--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-new-tokens", "12", "--batch-size", "2"]
+    ids = {name: [r["completion_ids"] for r in _json_run(capsys, str(path), *args)]
+           for name, path in [("checkpoint", checkpoint), ("merged", tmp_path / "merged"),
+                              ("adapter", tmp_path / "adapter"), ("base", model_dir)]}
+    assert ids["checkpoint"] == ids["merged"] == ids["adapter"]
+    assert ids["checkpoint"] != ids["base"]  # the adapters do change what is generated
