@@ -14,8 +14,8 @@ bracketed ratio uses process CPU time, which leaves out time spent waiting for a
 Cache: the bytes of ours after the last step (its tensors) against the formula (`cache_bytes`: per
 Mamba2 block the conv window plus the fp32 SSM state, per attention block 2 x kv heads x head_dim x
 length), theirs (every tensor its cache object holds), and the growth of the process's peak resident
-set during one of our generations above the resident set before it (CPU, Linux), which counts the
-cache together with the prefill's activations.
+set during our timed generation of the last round above the resident set before it (CPU, Linux),
+which counts the cache together with the prefill's activations and the logits.
 
 Each run appends its rows to benchmarks/RESULTS.md with the exact command (`--no-record` to skip).
 """
@@ -23,6 +23,7 @@ Each run appends its rows to benchmarks/RESULTS.md with the exact command (`--no
 from __future__ import annotations
 
 import argparse
+import functools
 import shlex
 import statistics
 import sys
@@ -78,25 +79,26 @@ def _theirs(model, ids: torch.Tensor, new: int) -> None:
 
 
 def _cache_sizes(ours, theirs, ids: torch.Tensor, new: int) -> tuple[int, int, int]:
-    """(ours after `new` steps, ours by formula, theirs after the prefill and `new` - 1 steps)."""
-    cfg = ours.config
+    """(ours, ours by formula, theirs) once `new` tokens are generated. Ours is allocated for the prompt
+    plus the new tokens at the prefill; theirs grows, and holds the prompt and all but the last new token
+    at the end, as after one forward of that many positions."""
     cache = DecodeCache(torch.ones_like(ids, dtype=torch.bool), ids.shape[1] + new, len(ours.model.layers))
+    longer = torch.cat([ids, ids[:, :1].expand(-1, new - 1)], dim=1)
     with torch.no_grad():
-        logits = ours(ids, cache=cache).logits
-        for _ in range(new - 1):
-            logits = ours(logits[:, -1].argmax(-1, keepdim=True), cache=cache).logits
-        out = theirs(ids, use_cache=True)
-        for _ in range(new - 1):
-            out = theirs(out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True)
+        ours(ids, cache=cache)
+        out = theirs(longer, use_cache=True)
     dtype = next(p for n, p in ours.named_parameters() if n.endswith("q_proj.weight")).dtype
-    return cache.nbytes(), cache_bytes(cfg, ids.shape[0], cache.capacity, dtype), _tensor_bytes(out.past_key_values)
+    return cache.nbytes(), cache_bytes(ours.config, ids.shape[0], cache.capacity, dtype), \
+        _tensor_bytes(out.past_key_values)
 
 
-def _peak_growth(model, prompts, new: int) -> int | None:
+def _peak_growth(fn) -> int | None:
+    """Growth of the peak resident set while `fn` runs, above the resident set before it."""
     if not _reset_hwm():
+        fn()
         return None
     before = _rss_hwm()
-    _ours(model, prompts, new)
+    fn()
     after = _rss_hwm()
     return None if before is None or after is None else after[1] - before[0]
 
@@ -113,6 +115,12 @@ def bench(args, path: Path, dtype_name: str, batch: int) -> str:
     prompts = ids.tolist()
     times = {k: [] for k in ("ours1", "oursN", "theirs1", "theirsN")}
     cpu = {k: [] for k in times}
+
+    def times_of(key, fn):
+        wall, proc = _time(fn)
+        times[key].append(wall)
+        cpu[key].append(proc)
+
     with torch.no_grad():
         _ours(ours, prompts, 2)  # warmup
         _theirs(theirs, ids, 2)
@@ -120,16 +128,16 @@ def bench(args, path: Path, dtype_name: str, batch: int) -> str:
             for key, fn in (("ours1", lambda: _ours(ours, prompts, 1)), ("theirs1", lambda: _theirs(theirs, ids, 1)),
                             ("oursN", lambda: _ours(ours, prompts, args.new_tokens)),
                             ("theirsN", lambda: _theirs(theirs, ids, args.new_tokens))):
-                wall, proc = _time(fn)
-                times[key].append(wall)
-                cpu[key].append(proc)
+                if key == "oursN":
+                    growth = _peak_growth(functools.partial(times_of, key, fn))
+                else:
+                    times_of(key, fn)
     med = {k: statistics.median(v) for k, v in times.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     steps = batch * (args.new_tokens - 1)
     ours_tps, theirs_tps = steps / (med["oursN"] - med["ours1"]), steps / (med["theirsN"] - med["theirs1"])
     cpu_ratio = (med_cpu["theirsN"] - med_cpu["theirs1"]) / max(med_cpu["oursN"] - med_cpu["ours1"], 1e-9)
     ours_cache, formula, theirs_cache = _cache_sizes(ours, theirs, ids, args.new_tokens)
-    growth = _peak_growth(ours, prompts, args.new_tokens)
     command = "python -m benchmarks.decode " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     row = (f"| {_measured()} | {device_name(torch.device('cpu'))} | {args.preset} | {dtype_name} | "
            f"{batch} x {args.prompt_len} + {args.new_tokens} | {med['ours1']:.3f} / {med['theirs1']:.3f} | "
