@@ -33,7 +33,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.throughput import BENCH_PRESETS, _append_row, _measured, _reset_hwm, _rss_hwm, device_name
+from benchmarks.measure import _reset_hwm, _rss_hwm, device_name
+from benchmarks.results import append_row, measured
+from benchmarks.throughput import BENCH_PRESETS
 from nemotron_recipe.generation import DecodeCache, GenerationConfig, cache_bytes, generate
 from nemotron_recipe.models.nemotron_v3 import NemotronHForCausalLM
 
@@ -139,7 +141,7 @@ def bench(args, path: Path, dtype_name: str, batch: int) -> str:
     cpu_ratio = (med_cpu["theirsN"] - med_cpu["theirs1"]) / max(med_cpu["oursN"] - med_cpu["ours1"], 1e-9)
     ours_cache, formula, theirs_cache = _cache_sizes(ours, theirs, ids, args.new_tokens)
     command = "python -m benchmarks.decode " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    row = (f"| {_measured()} | {device_name(torch.device('cpu'))} | {args.preset} | {dtype_name} | "
+    row = (f"| {measured()} | {device_name(torch.device('cpu'))} | {args.preset} | {dtype_name} | "
            f"{batch} x {args.prompt_len} + {args.new_tokens} | {med['ours1']:.3f} / {med['theirs1']:.3f} | "
            f"{ours_tps:,.1f} | {theirs_tps:,.1f} | {ours_tps / theirs_tps:.2f}x (cpu {cpu_ratio:.2f}x) | "
            f"{_mib(ours_cache)} ({_mib(formula)}) | {_mib(theirs_cache)} | "
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             for batch in map(int, args.batches.split(",")):
                 row = bench(args, Path(tmp), dtype_name, batch)
                 if args.record:
-                    _append_row(HEADER, row)
+                    append_row(HEADER, row)
     return 0
 
 

@@ -151,23 +151,29 @@ def _peft_source(path: Path, base: str | Path | None) -> ModelSource:
 
 
 def _peft_model(path: Path, base_path: Path, adapter: dict[str, Any]) -> NemotronHForCausalLM:
-    """The base with the PEFT adapter's LoRA factors added, unmerged; the modules it saves whole (the
-    merged Mamba2 `out_proj` our exports write) replace the base's weights."""
+    """The base with the PEFT adapter's LoRA factors added, unmerged. The modules it saves whole (the
+    Mamba2 `out_proj`, which PEFT will not adapt) get their LoRA factors from the file our exports write
+    beside it; an adapter without that file has its saved copies replace the base's weights."""
     from safetensors.torch import load_file
+
+    from nemotron_recipe.training.lora import OUT_PROJ_FACTORS, _out_proj_factors
 
     model = NemotronHForCausalLM.from_pretrained(str(base_path))
     tensors = load_file(str(path / ADAPTER_WEIGHTS))
-    saved = adapter.get("modules_to_save") or []
-    with torch.no_grad():
-        for name in saved:
-            keys = [k for k in tensors if k.startswith(f"{PEFT_PREFIX}{name}.") and k.endswith("weight")]
-            if len(keys) != 1:
-                raise CheckpointError(f"{path}: modules_to_save names {name}, whose weight the adapter does not hold "
-                                      "once.")
-            model.get_submodule(name).weight.copy_(tensors.pop(keys[0]))
+    saved = list(adapter.get("modules_to_save") or ())
     rank = int(adapter["r"])
     projs = tuple(p.rsplit(".", 1)[-1] for p in adapter.get("target_parameters") or ())
-    values = from_peft(model.config, tensors, tuple(p for p in ("up_proj", "down_proj") if p in projs), rank)
+    values = from_peft(model.config, tensors, tuple(p for p in ("up_proj", "down_proj") if p in projs), rank,
+                       saved=saved)
+    if saved and (path / OUT_PROJ_FACTORS).is_file():
+        values |= _out_proj_factors(path, saved)
+    else:
+        with torch.no_grad():
+            for name in saved:
+                copy = tensors.get(f"{PEFT_PREFIX}{name}.weight")
+                if copy is None:
+                    raise CheckpointError(f"{path}: modules_to_save names {name}, whose weight the adapter lacks.")
+                model.get_submodule(name).weight.copy_(copy)
     add_adapters(model, LoRASpec(rank, float(adapter["lora_alpha"]), 0.0, _adapted_modules(values)))
     set_full_values(model, values)
     return model
