@@ -91,6 +91,13 @@ class MetricsWriter:
         self._write(row)
         log.info("step %d  val_loss %.4f", row["step"], row["val_loss"])
 
+    def log_eval(self, row: dict[str, Any]) -> None:
+        """The row of the `eval.tasks` metrics (`eval/<task>/<metric>`), written and printed."""
+        if not self.enabled:
+            return
+        self._write(row)
+        log.info("step %d  %s", row["step"], "  ".join(f"{k} {_fmt(v)}" for k, v in row.items() if k != "step"))
+
     def advance(self) -> None:
         if self._bar is not None:
             self._bar.update(1)
@@ -245,6 +252,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"wall time        {f('wall_time_s', '{:.1f}')} s (training {f('train_time_s', '{:.1f}')} s)",
         f"run dir          {summary['run_dir']}",
     ]
+    lines += _eval_lines(summary)
     if summary.get("resumed_from") is not None:
         lines.insert(3, f"resumed from     step {summary['resumed_from']}")
     if summary.get("stopped"):
@@ -252,6 +260,16 @@ def print_summary(summary: dict[str, Any]) -> None:
     elif summary.get("checkpoint"):
         lines.append(f"checkpoint       {summary['checkpoint']}")
     print("\n".join(lines), flush=True)
+
+
+def _eval_lines(summary: dict[str, Any]) -> list[str]:
+    """One summary line per `eval.tasks` task: its metrics without their standard errors."""
+    tasks: dict[str, list[str]] = {}
+    for key, value in summary.items():
+        if key.startswith("eval/") and "stderr" not in key:
+            _, task, metric = key.split("/", 2)
+            tasks.setdefault(task, []).append(f"{metric} {_fmt(value)}")
+    return [f"eval {task:<11} " + "  ".join(metrics) for task, metrics in tasks.items()]
 
 
 def earlier_val_losses(run_dir: Path, up_to_step: int) -> list[tuple[int, float]]:

@@ -270,11 +270,19 @@ class MLP(nn.Module):
         return self.down_proj(F.relu(self.up_proj(x)).square())
 
 
+def top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the `k` largest values of each row; exact ties go to the lower index. `topk` leaves
+    ties to the kernel, and saturated sigmoid scores (exactly 1.0) or masked groups tie exactly, so
+    the choice would depend on the device and the kernel; a stable sort does not."""
+    return values.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 class Router(_KeepFP32, nn.Module):
     """Sigmoid scores; experts chosen with a load-balancing bias, weighted by the unbiased scores.
 
     Group-limited routing: a token first keeps the `topk_group` expert groups whose two best biased
-    scores sum highest, then takes its top-k experts inside them.
+    scores sum highest, then takes its top-k experts inside them. Exact ties go to the lower expert
+    index (`top_indices`); near-ties are as float rounding leaves them (docs/moe-routing.md).
     """
 
     fp32_params = ("weight", "e_score_correction_bias")
@@ -296,9 +304,9 @@ class Router(_KeepFP32, nn.Module):
             per_group = biased.unflatten(-1, (self.n_group, -1))
             group_score = per_group.topk(2, dim=-1).values.sum(-1)
             kept = torch.zeros_like(group_score, dtype=torch.bool)
-            kept.scatter_(1, group_score.topk(self.topk_group, dim=-1).indices, True)
+            kept.scatter_(1, top_indices(group_score, self.topk_group), True)
             biased = per_group.masked_fill(~kept[..., None], float("-inf")).flatten(1)
-        idx = biased.topk(self.top_k, dim=-1).indices
+        idx = top_indices(biased, self.top_k)
         weights = scores.gather(1, idx)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
