@@ -79,7 +79,7 @@ def test_completion_does_not_depend_on_batch_or_padding():
 def test_same_seed_same_text_whatever_the_batch():
     model = _model()
     prompts = _prompts([7, 3, 10])
-    sample = dict(max_new_tokens=12, greedy=False, temperature=1.3, top_k=20, top_p=0.95)
+    sample = {"max_new_tokens": 12, "greedy": False, "temperature": 1.3, "top_k": 20, "top_p": 0.95}
     first = generate(model, prompts, GenerationConfig(seed=5, batch_size=3, **sample))
     again = generate(model, prompts, GenerationConfig(seed=5, batch_size=1, **sample))
     other = generate(model, prompts, GenerationConfig(seed=6, batch_size=3, **sample))
@@ -94,7 +94,10 @@ def test_same_seed_same_text_whatever_the_batch():
 
 def test_top_k_and_top_p_keep_the_right_tokens():
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
-    kept = lambda k, p: torch.isfinite(filter_logits(logits, k, p))[0].tolist()  # noqa: E731
+
+    def kept(k, p):
+        return torch.isfinite(filter_logits(logits, k, p))[0].tolist()
+
     assert kept(2, 1.0) == [True, True, False, False]
     assert kept(0, 0.5) == [True, False, False, False]  # the first token reaches 0.5 alone
     assert kept(0, 0.7) == [True, True, False, False]
@@ -153,3 +156,42 @@ def test_bad_settings_are_named():
         GenerationConfig(top_p=1.5)
     with pytest.raises(GenerationError, match="temperature=0"):
         GenerationConfig(temperature=0)
+
+
+def _fake_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+    """mamba_ssm's `selective_state_update` contract, in plain PyTorch: state [b,h,p,n], x/dt [b,h,p],
+    A [h,p,n], B/C [b,g,n], D [h,p]; the state updated in place."""
+    assert z is None and dt_bias is None and not dt_softplus
+    r = x.shape[1] // B.shape[1]
+    Bh, Ch = B.repeat_interleave(r, 1), C.repeat_interleave(r, 1)
+    state.copy_(state * torch.exp(dt[..., None] * A) + (dt * x)[..., None] * Bh[:, :, None, :])
+    return ((state * Ch[:, :, None, :]).sum(-1) + D * x).to(x.dtype)
+
+
+def _fake_conv_update(x, conv_state, weight, bias=None, activation=None):
+    """causal_conv1d's `causal_conv1d_update` contract: x [b,C], conv_state [b,C,state_len] shifted in place."""
+    window = torch.cat([conv_state, x[..., None]], -1)
+    conv_state.copy_(window[..., 1:])
+    out = (window[..., -weight.shape[-1]:] * weight).sum(-1) + (0 if bias is None else bias)
+    return torch.nn.functional.silu(out) if activation == "silu" else out
+
+
+def test_single_step_kernels_get_what_they_expect(monkeypatch):
+    """Where mamba_ssm and causal_conv1d are installed (CUDA), decoding steps call their update kernels;
+    stand-ins with the kernels' contracts give the PyTorch path's completions."""
+    from nemotron_recipe.models.nemotron_v3 import kernels
+
+    model = _model()
+    prompts = _prompts([9, 4])
+    config = GenerationConfig(max_new_tokens=12)
+    expected = [r.completion_ids for r in generate(model, prompts, config)]
+    calls = []
+    monkeypatch.setattr(kernels, "_KERNEL_DEVICES", ("cuda", "cpu"))
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return _fake_state_update(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "_cuda_state_update", lambda: counted)
+    monkeypatch.setattr(kernels, "_cuda_conv_update", lambda: _fake_conv_update)
+    assert [r.completion_ids for r in generate(model, prompts, config)] == expected
+    assert len(calls) == 11 * 2  # two Mamba blocks, eleven steps after the prefill

@@ -49,7 +49,9 @@ def generate(
     prompts and config (greedy or seeded sampling gives every rank the same tokens)."""
     config = config or GenerationConfig()
     prompts = [list(map(int, p)) for p in prompts_ids]
-    _check(model, prompts, config, tokenizer, stream)
+    check_prompts(prompts, config, model.config.vocab_size)
+    if tokenizer is None and (config.stop_strings or stream is not None):
+        raise GenerationError("stop_strings and streaming need text: pass the tokenizer to generate().")
     eos = set(_eos_ids(config, tokenizer))
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     results: list[GenerationResult | None] = [None] * len(prompts)
@@ -67,25 +69,24 @@ def generate(
     return results
 
 
-def _check(model, prompts: list[list[int]], config: GenerationConfig, tokenizer, stream) -> None:
-    vocab = model.config.vocab_size
+def check_prompts(prompts: Sequence[Sequence[int]], config: GenerationConfig, vocab_size: int) -> None:
+    """Raises GenerationError for an empty prompt, a token id outside the vocabulary, or a prompt that
+    with `config.max_new_tokens` needs more than `config.max_length` positions."""
     limit = config.max_length
     for i, p in enumerate(prompts):
         if not p:
             raise GenerationError(f"prompt {i} is empty: generation needs at least one token to start from. "
                                   "Fix: give it text (or a BOS token).")
-        bad = [t for t in p if not 0 <= t < vocab]
+        bad = [t for t in p if not 0 <= t < vocab_size]
         if bad:
             raise GenerationError(f"prompt {i} holds token ids {bad[:5]} outside the model's vocabulary "
-                                  f"(size {vocab}). Fix: tokenize with the model's own tokenizer.")
+                                  f"(size {vocab_size}). Fix: tokenize with the model's own tokenizer.")
         if limit is not None and len(p) + config.max_new_tokens > limit:
             raise GenerationError(
                 f"prompt {i} has {len(p)} tokens; with max_new_tokens={config.max_new_tokens} that is "
                 f"{len(p) + config.max_new_tokens} positions, more than the model takes (max_length={limit}). "
                 f"Fix: shorten the prompt to at most {max(limit - config.max_new_tokens, 0)} tokens or lower "
                 "max_new_tokens.")
-    if tokenizer is None and (config.stop_strings or stream is not None):
-        raise GenerationError("stop_strings and streaming need text: pass the tokenizer to generate().")
 
 
 def _eos_ids(config: GenerationConfig, tokenizer) -> tuple[int, ...]:

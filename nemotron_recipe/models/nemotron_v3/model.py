@@ -184,7 +184,7 @@ class Mamba2Mixer(_KeepFP32, nn.Module):
 
     def _prefill(self, xbc: torch.Tensor, dt: torch.Tensor, cache: DecodeCache, layer: int) -> torch.Tensor:
         """`conv_and_scan` of the prompts, keeping the conv window and the final SSM state."""
-        b, l, g = xbc.shape[:3]
+        l, g = xbc.shape[1:3]
         r, k = dt.shape[-1], self.conv1d.kernel_size[0]
         weight, bias, A_log, D, dt_bias = self._ssm_params()
         flat = xbc.flatten(2)
