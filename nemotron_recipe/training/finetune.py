@@ -140,6 +140,7 @@ class Validator:
                             layout=self.layout, loss_chunk_size=self.loss_chunk_size)
         self.history.append((step, val_loss))
         self.writer.log_val({"step": step, "val_loss": val_loss, "elapsed_s": time.perf_counter() - self.started})
+        self.writer.plot()
         return time.perf_counter() - began
 
     def summary(self) -> dict[str, float | None]:
@@ -370,6 +371,7 @@ class Trainer:
             failed = False
         finally:
             self.stop.restore()
+            self.writer.plot()  # the rows since the last validation (a failed run's too), or all without one
             self.writer.close(failed=failed)
             self.checkpointer.release()
         return summary

@@ -1,4 +1,4 @@
-"""Run outputs: `metrics.jsonl`, the console (progress bar or log lines) and Weights & Biases.
+"""Run outputs: `metrics.jsonl`, `loss.png`, the console (progress bar or log lines) and Weights & Biases.
 
 Only the main rank builds an active writer; the others get a no-op one, so call sites need no
 rank checks. `TrainMetrics` turns training steps into the writer's rows (loss, LR, throughput).
@@ -49,6 +49,8 @@ class MetricsWriter:
         self._bar = None
         self._wandb_run = None
         self._redirect: contextlib.ExitStack | None = None
+        self._unplotted = 0  # rows written since loss.png was last drawn
+        self._plot_failed = False
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -91,6 +93,19 @@ class MetricsWriter:
         self._write(row)
         log.info("step %d  val_loss %.4f", row["step"], row["val_loss"])
 
+    def plot(self) -> None:
+        """Redraws `loss.png` from the rows written so far, unless it already shows them all."""
+        if not self.enabled or self._plot_failed or not self._unplotted:
+            return
+        try:
+            from nemotron_recipe.training.plots import plot_run
+
+            plot_run(self.run_dir)
+            self._unplotted = 0
+        except Exception as e:  # noqa: BLE001 - a picture must never cost the run it pictures
+            self._plot_failed = True
+            log.warning("loss.png not written (and not retried in this run): %s: %s", type(e).__name__, e)
+
     def advance(self) -> None:
         if self._bar is not None:
             self._bar.update(1)
@@ -99,6 +114,7 @@ class MetricsWriter:
         assert self._file is not None
         self._file.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
         self._file.flush()
+        self._unplotted += 1
         if self._wandb_run is not None:
             self._wandb_run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
