@@ -80,6 +80,14 @@ class ChatFormatter:
             return [self._encode_with_template(turns, w) for turns, w in zip(conversations, where)]
         return self._encode_builtin(conversations)
 
+    def encode_prompt(self, turns: Turns, where: str = "prompt") -> list[int]:
+        """The ids a model continues to answer `turns`: the conversation as training renders it, then
+        the opening of an assistant turn (the template's generation prompt)."""
+        if self.template is not None:
+            text = self._render(turns, where, generation_prompt=True)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self._encode_builtin([turns])[0][0] + self._markers["assistant"]
+
     # ------------------------------------------------------------------ built-in format
     def _encode_builtin(self, conversations: Sequence[Turns]) -> list[Encoded]:
         contents = [t["content"] for turns in conversations for t in turns]
