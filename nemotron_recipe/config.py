@@ -262,6 +262,16 @@ class PeftConfig:
 
 
 @dataclass
+class EvalConfig:
+    """What each validation shows besides the loss. `samples`: prompts (each a user turn in the training
+    chat format) continued greedily for `sample_tokens` tokens under the training mesh and written to
+    samples.jsonl; null: the first two prompts of the validation set; []: none."""
+
+    samples: Optional[list[str]] = None
+    sample_tokens: int = 32  # 0: no samples
+
+
+@dataclass
 class WandbConfig:
     mode: str = "disabled"
     project: str = "nemotron-recipe"
@@ -292,6 +302,7 @@ class FinetuneConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     seed: int = 1234
     run_dir: str = "${hydra:runtime.output_dir}"
@@ -441,6 +452,7 @@ def validate_config(cfg: Any, world_size: int | None = None) -> tuple[NemotronHC
     _check_choice(errors, "logger.wandb.mode", cfg.logger.wandb.mode, WANDB_MODES)
     errors += _input_problems(cfg)
     errors += _peft_problems(cfg)
+    errors += _eval_problems(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     model_config = build_model_config(cfg.model)
@@ -503,6 +515,18 @@ def _peft_problems(cfg: Any) -> list[str]:
     except (ModelConfigError, LoRAError) as e:
         problem = str(e)
     return [problem] if problem else []
+
+
+def _eval_problems(cfg: Any) -> list[str]:
+    e = getattr(cfg, "eval", None)
+    if e is None:
+        return []
+    errors: list[str] = []
+    _positive(errors, "eval.sample_tokens", e.sample_tokens, allow_zero=True)
+    for i, text in enumerate(e.samples or []):
+        if not str(text).strip():
+            errors.append(f"eval.samples[{i}]={text!r}: an empty prompt. Fix: give it words, or remove it.")
+    return errors
 
 
 def _method_problems(p: Any) -> list[str]:

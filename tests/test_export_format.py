@@ -79,3 +79,39 @@ def test_builtin_template_refuses_an_unknown_role(tmp_path):
     hf = AutoTokenizer.from_pretrained(str(export_tokenizer(tmp_path, ASSETS_DIR, "builtin")))
     with pytest.raises(Exception, match="unknown role tool"):
         hf.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+
+
+def test_transformers_generate_on_an_export_continues_like_the_training_samples(tmp_path):
+    """A model exported with the run's format: transformers renders the prompt with the exported template,
+    stops at the EOS of generation_config.json, and its greedy ids equal the samples' (`greedy_continue`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from helpers import SMALL_DIMS, perturb_off_init
+    from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
+    from nemotron_recipe.training.samples import configured_prompts, greedy_continue
+
+    torch.manual_seed(0)
+    ours = NemotronHForCausalLM(NemotronHConfig(pattern="M*-E", **{**SMALL_DIMS, "vocab_size": 512}))
+    perturb_off_init(ours)
+    tok = load_tokenizer(ASSETS_DIR)
+    with torch.no_grad():  # EOS strong enough that some continuations end on it
+        ours.lm_head.weight[tok.eos_token_id] *= 2
+    ours.save_pretrained(str(tmp_path))
+    export_tokenizer(tmp_path, ASSETS_DIR, "auto")
+
+    texts = ["What colour is the cherry?", "hi"]
+    prompts = configured_prompts(texts, ChatFormatter(tok))
+    samples = greedy_continue(ours, [p.ids for p in prompts], 8, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    hf_tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path)).float().eval()
+    assert hf.generation_config.eos_token_id == tok.eos_token_id
+    reasons = []
+    for text, prompt, (ids, why) in zip(texts, prompts, samples):
+        rendered = hf_tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        assert rendered["input_ids"] == prompt.ids
+        out = hf.generate(torch.tensor([prompt.ids]), max_new_tokens=8, do_sample=False)[0, len(prompt.ids):].tolist()
+        # transformers keeps the EOS it stopped at (read from generation_config.json); the samples leave it out.
+        assert out == ids + ([tok.eos_token_id] if why == "eos" else [])
+        reasons.append(why)
+    assert "eos" in reasons and "length" in reasons  # both ways of ending are compared

@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 
 from nemotron_recipe.config import ConfigError, validate_config
 from nemotron_recipe.data import (
+    ChatFormatter,
     GlobalBatchPlan,
     collate,
     load_sft_data,
@@ -51,6 +52,7 @@ from nemotron_recipe.training.nonfinite import NonFiniteGuard
 from nemotron_recipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from nemotron_recipe.training.planner.preflight import preflight
 from nemotron_recipe.training.preemption import StopConditions
+from nemotron_recipe.training.samples import Samples, configured_prompts, validation_prompts
 from nemotron_recipe.training.setup import DataLayout, data_layout, parallelize_model
 
 log = logging.getLogger(__name__)
@@ -121,8 +123,10 @@ class Validator:
         writer: MetricsWriter,
         history: list[tuple[int, float]],
         started: float,
+        samples: Samples | None = None,
     ) -> None:
         self.model, self.batches, self.layout, self.device = model, batches, layout, device
+        self.samples = samples
         self.max_batches, self.loss_chunk_size = cfg.data.val_max_batches, cfg.trainer.loss_chunk_size
         self.every, self.max_steps = cfg.trainer.val_every, cfg.trainer.max_steps
         self.writer, self.history, self.started = writer, history, started
@@ -132,14 +136,15 @@ class Validator:
         return bool(self.every) and step % self.every == 0 and step != self.max_steps
 
     def run(self, step: int) -> float:
-        """Runs and logs a validation pass labelled `step`; returns the seconds it took."""
-        if self.batches is None:
-            return 0.0
+        """Runs and logs a validation pass labelled `step` (its loss, its samples); returns the seconds it took."""
         began = time.perf_counter()
-        val_loss = evaluate(self.model, self.batches, max_batches=self.max_batches, device=self.device,
-                            layout=self.layout, loss_chunk_size=self.loss_chunk_size)
-        self.history.append((step, val_loss))
-        self.writer.log_val({"step": step, "val_loss": val_loss, "elapsed_s": time.perf_counter() - self.started})
+        if self.batches is not None:
+            val_loss = evaluate(self.model, self.batches, max_batches=self.max_batches, device=self.device,
+                                layout=self.layout, loss_chunk_size=self.loss_chunk_size)
+            self.history.append((step, val_loss))
+            self.writer.log_val({"step": step, "val_loss": val_loss, "elapsed_s": time.perf_counter() - self.started})
+        if self.samples is not None:
+            self.samples.run(step)
         self.writer.plot()
         return time.perf_counter() - began
 
@@ -147,7 +152,8 @@ class Validator:
         """The summary's validation entries: the first and last loss of the run and their ratio."""
         first = self.history[0][1] if self.history else None
         last = self.history[-1][1] if self.history else None
-        return {"first_val_loss": first, "last_val_loss": last, "val_loss_ratio": (last / first) if first else None}
+        return {"first_val_loss": first, "last_val_loss": last, "val_loss_ratio": (last / first) if first else None,
+                **(self.samples.summary() if self.samples is not None else {})}
 
 
 @dataclass
@@ -219,7 +225,7 @@ class Trainer:
     def _setup_data(self, model_config: NemotronHConfig) -> None:
         """Tokenizer, data sets, the batch plan of every step and this rank's validation batches."""
         cfg, t = self.cfg, self.cfg.trainer
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        self.tokenizer = tokenizer = load_tokenizer(cfg.data.tokenizer)
         if len(tokenizer) > model_config.vocab_size:
             raise ConfigError(
                 f"model.vocab_size={model_config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} "
@@ -329,7 +335,7 @@ class Trainer:
         )
         self.validator = Validator(
             cfg, self.model, self.val_data, layout=self.layout, device=self.env.device, writer=self.writer,
-            history=earlier_val_losses(self.run_dir, self.start_step), started=self.started,
+            history=earlier_val_losses(self.run_dir, self.start_step), started=self.started, samples=self._samples(),
         )
         self.metrics = TrainMetrics(self.writer, tokens_per_step=t.global_batch_size * t.seq_len,
                                     log_every=t.log_every, max_steps=t.max_steps, started=self.started)
@@ -339,6 +345,21 @@ class Trainer:
         self.guard = NonFiniteGuard(t.nonfinite, t.max_skipped_steps, self.env.device)
         self.balance = RouterBalance(self.model, self.layout.moe_token_group, cfg.moe.bias_update_rate,
                                      cfg.moe.aux_loss_coeff, sequences_per_step=t.global_batch_size)
+
+    def _samples(self) -> Samples | None:
+        """The prompts continued at each validation: eval.samples, else the first validation prompts."""
+        e = self.cfg.eval
+        if not e.sample_tokens:
+            return None
+        if e.samples is None:
+            prompts = validation_prompts(self.data.val, self.tokenizer)
+        else:
+            formatter = ChatFormatter(self.tokenizer, template=self.cfg.data.chat_template, train_on=self.cfg.data.train_on)
+            prompts = configured_prompts(list(e.samples), formatter)
+        if not prompts:
+            return None
+        return Samples(self.model, prompts, self.tokenizer, self.writer, max_new_tokens=e.sample_tokens,
+                       seq_len_divisor=self.parallel.seq_len_divisor, cp=self.layout.cp, device=self.env.device)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, Any]:
