@@ -23,6 +23,7 @@ SWEEP = [
     "trainer.val_every=0",
     "data.val_max_batches=1",
     "logger.console.progress_bar=false",
+    "eval.sample_tokens=2",
 ]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +74,18 @@ def test_sample_prompts_are_the_training_prompts():
     assert given[0].ids == formatter.encode_prompt([{"role": "user", "content": rows[0]["prompt"]}])
     assert tok.convert_ids_to_tokens(given[0].ids[:2] + given[0].ids[-1:]) == ["<s>", "<|user|>", "<|assistant|>"]
     assert validation_prompts(None, tok) == [] and len(validation_prompts(val, tok, count=5)) == 5
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("eval.sample_tokens=-1", "eval.sample_tokens=-1: must be >= 0"),
+    ("eval.samples=['ok','  ']", "eval.samples[1]='  ': an empty prompt"),
+])
+def test_bad_sample_settings_are_named(tmp_path, override, needle):
+    from helpers import compose_run
+    from nemotron_recipe.config import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        validate_config(compose_run(tmp_path, override))
 
 
 @pytest.mark.distributed
