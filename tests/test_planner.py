@@ -241,7 +241,8 @@ def _measured_rows(launcher: list[str], mesh: str = "") -> list[tuple[float, flo
 
 def test_predicted_peak_within_15_percent_of_measured_rss_one_process():
     """tiny on one process, with and without recomputation: the resident set above the step's start
-    (benchmarks/throughput.py's measure). h1024's rows are the benchmark's (README): they take a minute."""
+    (benchmarks/measure.py's measure). h1024's rows are the benchmark's (docs/planner-validation.md): they
+    take a minute."""
     rows = _measured_rows([sys.executable])
     assert all(abs(predicted - measured) <= 0.15 * measured for predicted, measured in rows), rows
 
@@ -251,7 +252,7 @@ def test_predicted_peak_within_15_percent_of_measured_rss_one_process():
 def test_predicted_peak_within_15_percent_of_measured_rss_two_ranks(mesh):
     """tiny on fsdp 2, tp 2 and under expert parallel over the 2 ranks (each rank's experts receive its
     peer's rows as the balanced trace assumes; the tiny model routes near-evenly). h1024's two-rank rows
-    are the benchmark's (README)."""
+    are the benchmark's (docs/planner-validation.md)."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     rows = _measured_rows(torchrun, mesh)
     assert all(abs(predicted - measured) <= 0.15 * measured for predicted, measured in rows), rows

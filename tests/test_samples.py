@@ -102,3 +102,15 @@ def test_samples_under_fsdp_tp_sp_cp_and_ep_equal_one_process(tmp_path):
         assert r["ranks_agree"] and r["training"], case
         first_ids, first_why = r["reference"][0]
         assert first_why == "eos" and len(first_ids) == 3  # the first row ended early, at its 4th token
+
+
+@pytest.mark.parametrize("mode, thinking", [("train", True), ("drop", False)])
+def test_nemotron3_sample_prompt_is_the_released_templates_generation_prompt(mode, thinking):
+    tok = load_tokenizer(ASSETS_DIR)
+    released = (Path(__file__).parent / "fixtures" / "nemotron3_nano_chat_template.jinja").read_text()
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"}]
+    text = tok.apply_chat_template(turns, chat_template=released, tokenize=False, add_generation_prompt=True,
+                                   enable_thinking=thinking)
+    ids = ChatFormatter(tok, template="nemotron3", reasoning=mode).encode_prompt(turns)
+    assert ids == tok(text, add_special_tokens=False)["input_ids"]

@@ -41,11 +41,22 @@ def builtin_jinja(tokenizer: PreTrainedTokenizerBase) -> str:
     )
 
 
-NAMED_TEMPLATES: dict[str, Callable[[PreTrainedTokenizerBase], str]] = {"builtin": builtin_jinja}
+def _own(tokenizer: PreTrainedTokenizerBase) -> str | dict | None:
+    return tokenizer.chat_template or None
 
 
-def training_template(tokenizer: PreTrainedTokenizerBase, setting: str = "auto") -> str | dict:
-    """The Jinja template `data.chat_template=setting` trains with, for `tokenizer`.
+# `nemotron3` renders what the released Nemotron 3 template renders (nemotron3.py), so the released
+# tokenizer's own template is its Jinja; the package ships no copy of it.
+NAMED_TEMPLATES: dict[str, Callable[[PreTrainedTokenizerBase], str | dict | None]] = {
+    "builtin": builtin_jinja,
+    "tokenizer": _own,
+    "nemotron3": _own,
+}
+
+
+def training_template(tokenizer: PreTrainedTokenizerBase, setting: str = "auto") -> str | dict | None:
+    """The Jinja template `data.chat_template=setting` trains with, for `tokenizer`; None when no Jinja
+    of it is known (`nemotron3` with a tokenizer that carries no template).
 
     "auto" is the tokenizer's own template when it has one (kept as it is) and the built-in format
     otherwise; a name in `NAMED_TEMPLATES` is that format; anything else is a Jinja template already."""

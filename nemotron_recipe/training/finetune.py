@@ -26,24 +26,18 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from nemotron_recipe.config import ConfigError, validate_config
-from nemotron_recipe.data import (
-    ChatFormatter,
-    GlobalBatchPlan,
-    collate,
-    load_sft_data,
-    load_tokenizer,
-    val_batches,
-)
+from nemotron_recipe.config import validate_config
+from nemotron_recipe.data import ChatFormatter, GlobalBatchPlan, collate, val_batches
 from nemotron_recipe.distributed.env import DistEnv, distributed
 from nemotron_recipe.distributed.plan import ParallelPlan
-from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM, build_meta_model
 from nemotron_recipe.models.nemotron_v3.lora import add_adapters, freeze_base, is_adapter
 from nemotron_recipe.models.nemotron_v3.mtp import shift_for_mtp
 from nemotron_recipe.training.checkpoint import Checkpointer
 from nemotron_recipe.training.compile import compile_blocks
+from nemotron_recipe.training.data import load_training_data
 from nemotron_recipe.training.cpu_memory import keep_freed_memory
-from nemotron_recipe.training.hf_io import build_meta_model, export_run_checkpoint, load_hf_sharded
+from nemotron_recipe.training.hf_io import export_run_checkpoint, load_hf_sharded
 from nemotron_recipe.training.logging import MetricsWriter, TrainMetrics, earlier_val_losses, print_summary
 from nemotron_recipe.training.moe_balance import RouterBalance, freeze_routers
 from nemotron_recipe.training.lora import base_record, lora_spec, peft_record, start_adapters, store_base
@@ -225,14 +219,8 @@ class Trainer:
     def _setup_data(self, model_config: NemotronHConfig) -> None:
         """Tokenizer, data sets, the batch plan of every step and this rank's validation batches."""
         cfg, t = self.cfg, self.cfg.trainer
-        self.tokenizer = tokenizer = load_tokenizer(cfg.data.tokenizer)
-        if len(tokenizer) > model_config.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size={model_config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} "
-                f"tokens (data.tokenizer={cfg.data.tokenizer!r}). Fix: set model.vocab_size>={len(tokenizer)} "
-                "or use the model's own tokenizer."
-            )
-        self.data = load_sft_data(cfg.data, tokenizer, seq_len=t.seq_len, seed=cfg.seed)
+        tokenizer, self.data = load_training_data(cfg, model_config.vocab_size)
+        self.tokenizer = tokenizer
         self.pad_id = tokenizer.pad_token_id
         self.batch_plan = GlobalBatchPlan(
             len(self.data.train), t.global_batch_size, t.micro_batch_size, self.layout.dp_rank, self.layout.dp_size,
@@ -354,7 +342,7 @@ class Trainer:
         if e.samples is None:
             prompts = validation_prompts(self.data.val, self.tokenizer)
         else:
-            formatter = ChatFormatter(self.tokenizer, template=self.cfg.data.chat_template, train_on=self.cfg.data.train_on)
+            formatter = ChatFormatter.from_config(self.cfg.data, self.tokenizer)
             prompts = configured_prompts(list(e.samples), formatter)
         if not prompts:
             return None
