@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -19,16 +21,20 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
+from nemotron_recipe.config_keys import unknown_key_problems
 from nemotron_recipe.distributed.env import launched_world_size
 from nemotron_recipe.distributed.plan import ParallelConfigError, ParallelPlan, check_experts_split
 from nemotron_recipe.models.nemotron_v3.checkpoint import CheckpointError, checkpoint_weight_dtypes, weight_file_problem
-from nemotron_recipe.models.nemotron_v3.config import ModelConfigError, NemotronHConfig
+from nemotron_recipe.models.hub import resolve_pretrained
+from nemotron_recipe.models.nemotron_v3.config import PRESET_LR, ModelConfigError, NemotronHConfig, matching_preset
 from nemotron_recipe.models.nemotron_v3.lora import DEFAULT_TARGETS, LoRAError, lora_spec_problem
 
 WANDB_MODES = ("disabled", "offline", "online")
 DEVICES = ("auto", "cpu", "cuda")
 NONFINITE_MODES = ("stop", "skip")
 PREFLIGHT_MODES = (True, False, "warn")
+
+log = logging.getLogger(__name__)
 
 # Shipped with the package, next to the data layer that documents their format.
 ASSETS_DIR = Path(__file__).resolve().parent / "data" / "assets"
@@ -103,7 +109,7 @@ def _make_model_config_class() -> type:
     cls.__module__ = __name__
     cls.__doc__ = (
         "Which model to build: `preset` (a name in PRESETS) or `pretrained` (a Hugging Face checkpoint "
-        "directory, which takes precedence), with any non-None field overriding that base config."
+        "directory or hub id, which takes precedence), with any non-None field overriding that base config."
     )
     return cls
 
@@ -192,7 +198,9 @@ class DataConfig:
 class OptimConfig:
     """AdamW with linear warmup, then cosine decay to `lr * min_lr_ratio` at `trainer.max_steps`."""
 
-    lr: float = 3e-3
+    # None: the model's own (PRESET_LR: its preset's, or that of the released model a checkpoint has the shapes
+    # of), for full fine-tuning or for LoRA as peft.method says; the run logs which.
+    lr: Optional[float] = None
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
@@ -269,10 +277,14 @@ class PeftConfig:
 
 @dataclass
 class EvalConfig:
-    """What each validation shows besides the loss. `samples`: prompts (each a user turn in the training
-    chat format) continued greedily for `sample_tokens` tokens under the training mesh and written to
-    samples.jsonl; null: the first two prompts of the validation set; []: none."""
+    """lm-eval tasks (as `recipes.evaluate` runs them) evaluated on the final checkpoint at the end of
+    training; their metrics go to metrics.jsonl, the summary and wandb. `limit`: at most this many
+    examples per task (None: all). `samples`: prompts (each a user turn in the training chat format)
+    continued greedily for `sample_tokens` tokens at each validation, under the training mesh, and written
+    to samples.jsonl; null: the first two prompts of the validation set; []: none."""
 
+    tasks: list[str] = field(default_factory=list)
+    limit: Optional[int] = None
     samples: Optional[list[str]] = None
     sample_tokens: int = 32  # 0: no samples
 
@@ -374,6 +386,10 @@ def _check_path(errors: list[str], name: str, value: Optional[str], *, allow_dir
 def _positive(errors: list[str], name: str, value: Any, *, allow_zero: bool = False) -> None:
     if value is None:
         return
+    if not math.isfinite(value):  # nan passes every comparison below, inf every lower bound
+        errors.append(f"{name}={value!r}: must be a finite number. Fix: set a finite value (null where the field "
+                      "allows it turns it off).")
+        return
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         errors.append(f"{name}={value!r}: must be {bound}. Fix: set a value {bound}.")
@@ -425,7 +441,7 @@ def _parallel_problems(cfg: Any, world_size: int | None = None) -> tuple[Paralle
     return plan, []
 
 
-def _input_problems(cfg: Any) -> list[str]:
+def _input_problems(cfg: Any, weights: bool = True) -> list[str]:
     """Data, tokenizer, run directory and pretrained weights."""
     # Imported here: the data layer pulls in transformers and datasets, which composing a config should not.
     from nemotron_recipe.data.sources import check_data_config
@@ -440,23 +456,32 @@ def _input_problems(cfg: Any) -> list[str]:
             "run_dir: cannot be resolved. It defaults to Hydra's output directory, which exists only in "
             "a run launched through Hydra. Fix: set run_dir explicitly."
         )
-    if cfg.model.pretrained and (problem := weight_file_problem(Path(cfg.model.pretrained).expanduser())):
+    if weights and cfg.model.pretrained and (problem := weight_file_problem(Path(cfg.model.pretrained).expanduser())):
         errors.append(f"model.pretrained={cfg.model.pretrained!r}: {problem}")
     return errors
 
 
-def validate_config(cfg: Any, world_size: int | None = None) -> tuple[NemotronHConfig, ParallelPlan]:
+def validate_config(cfg: Any, world_size: int | None = None, *,
+                    weights: bool = True) -> tuple[NemotronHConfig, ParallelPlan]:
     """Check everything that can be checked before any process group, data or model exists.
 
     Raises `ConfigError` listing every problem at once (or `ModelConfigError` for the model), so
     every rank fails identically and early. Returns the model config and the parallel plan (for the
     world size the launcher set, or `world_size` for a launch being planned), which it had to build anyway.
+
+    Fills in what the config leaves to the model: a hub id in `model.pretrained` becomes its local
+    snapshot (downloaded; with `weights=False`, for planning, its config.json alone) and a null
+    `optim.lr` the model's own learning rate.
     """
+    if unknown := unknown_key_problems(cfg):  # nothing else is worth checking in a config nothing reads right
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(unknown))
+    if cfg.model.pretrained:
+        cfg.model.pretrained = resolve_pretrained(cfg.model.pretrained, config_only=not weights)
     errors = _trainer_problems(cfg.trainer, cfg.checkpoint) + _optim_problems(cfg.optim)
     plan, parallel_errors = _parallel_problems(cfg, world_size)
     errors += parallel_errors
     _check_choice(errors, "logger.wandb.mode", cfg.logger.wandb.mode, WANDB_MODES)
-    errors += _input_problems(cfg)
+    errors += _input_problems(cfg, weights)
     errors += _peft_problems(cfg)
     errors += _eval_problems(cfg)
     if errors:
@@ -464,7 +489,28 @@ def validate_config(cfg: Any, world_size: int | None = None) -> tuple[NemotronHC
     model_config = build_model_config(cfg.model)
     if problems := _moe_problems(cfg, model_config, plan):
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+    if cfg.optim.lr is None:
+        cfg.optim.lr, source = model_lr(cfg, model_config)
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank takes the same rate; one says so
+            log.info("optim.lr=%g: %s (set optim.lr to choose another)", cfg.optim.lr, source)
     return model_config, plan
+
+
+def model_lr(cfg: Any, model_config: NemotronHConfig) -> tuple[float, str]:
+    """The peak learning rate the model is fine-tuned with by default, and where it comes from: the
+    preset's, or for a checkpoint that of the released model whose shapes it has (else the preset's)."""
+    lora = getattr(cfg, "peft", None) is not None and cfg.peft.method == "lora"
+    kind = "LoRA" if lora else "full fine-tuning"
+    name, note = cfg.model.preset, ""
+    if cfg.model.pretrained:
+        if (match := matching_preset(model_config)) is not None:
+            name = match
+        else:
+            note = f"; model.pretrained has none of the released shapes, so preset {name}'s"
+    if name not in PRESET_LR:
+        raise ConfigError(f"optim.lr=null: preset {name!r} has no learning rate of its own. Fix: set optim.lr.")
+    lr = PRESET_LR[name].lora if lora else PRESET_LR[name].full
+    return lr, f"{name}'s {kind} learning rate (PRESET_LR in nemotron_recipe/models/nemotron_v3/config.py){note}"
 
 
 def _moe_problems(cfg: Any, model_config: NemotronHConfig, plan: ParallelPlan) -> list[str]:
@@ -524,6 +570,8 @@ def _peft_problems(cfg: Any) -> list[str]:
 
 
 def _eval_problems(cfg: Any) -> list[str]:
+    """`eval.samples` and `eval.sample_tokens`; `eval.tasks` must name tasks lm-eval can run here (checked
+    now: the run would find out only after training), on a final checkpoint the run saves."""
     e = getattr(cfg, "eval", None)
     if e is None:
         return []
@@ -532,6 +580,22 @@ def _eval_problems(cfg: Any) -> list[str]:
     for i, text in enumerate(e.samples or []):
         if not str(text).strip():
             errors.append(f"eval.samples[{i}]={text!r}: an empty prompt. Fix: give it words, or remove it.")
+    if not e.tasks:
+        return errors
+    _positive(errors, "eval.limit", e.limit)
+    if not cfg.checkpoint.save_final:
+        errors.append(f"eval.tasks={list(e.tasks)}: they run on the final checkpoint, and checkpoint.save_final=false "
+                      "saves none. Fix: checkpoint.save_final=true, or eval.tasks=[] (then `python -m recipes.evaluate` "
+                      "evaluates any checkpoint later).")
+    # Imported here: lm-eval is optional, and composing a config without eval.tasks must not need it.
+    from nemotron_recipe.evaluation.tasks import EvalError, check_tasks, prepare_network, require_lm_eval, task_manager
+
+    try:
+        require_lm_eval()
+        offline = prepare_network(e.tasks)
+        check_tasks(task_manager(list(e.tasks)), list(e.tasks), offline=offline)
+    except EvalError as err:
+        errors.append(f"eval.tasks={list(e.tasks)}: {str(err).replace('--tasks: ', '')}")
     return errors
 
 

@@ -183,7 +183,7 @@ def test_bad_parallel_config_fails_on_every_rank_before_training(tmp_path):
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("trainer.max_stpes=3", "Key 'max_stpes' not in 'TrainerConfig'"),
+        ("trainer.max_stpes=3", "trainer.max_stpes: no such setting"),
         ("trainer.max_steps=abc", "could not be converted to Integer"),
         ("model=doesnotexist", "Could not find 'model/doesnotexist'"),
     ],
@@ -192,6 +192,8 @@ def test_bad_overrides_fail_with_hydras_message(override, expected, tmp_path):
     proc = cli(override, f"hydra.run.dir={tmp_path}")
     assert proc.returncode != 0
     assert expected in proc.stderr
+    if override.startswith("trainer.max_stpes"):
+        assert "Did you mean max_steps? Fix: trainer.max_steps=3" in proc.stderr
     if override.startswith("model="):
         assert "Available options in 'model'" in proc.stderr and "tiny" in proc.stderr
 

@@ -244,6 +244,10 @@ class Trainer:
             "model: pattern %s, %.2fM parameters; world size %d, mesh %s",
             model.config.pattern, self.num_parameters / 1e6, self.env.world_size, self.mesh_shape,
         )
+        if not cfg.model.pretrained and self.env.is_main:
+            say = log.info if cfg.model.preset == "tiny" else log.warning
+            say("model: random weights (preset %s drawn from seed %d); to fine-tune released weights set "
+                "model.pretrained=<checkpoint directory or hub id>", cfg.model.preset, cfg.seed)
         self.lora = lora_spec(cfg)
         self._check_peft(model)
         model = self._parallelize(model, reapply_trainability=self._trainability())
@@ -500,9 +504,14 @@ class Trainer:
             self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler)
 
     def _finish(self) -> str | None:
-        """The end of a run that reached max_steps: the final validation pass, then the Hugging Face
-        export if asked for; returns the export's directory."""
+        """The end of a run that reached max_steps: the final validation pass, the `eval.tasks` on the
+        final checkpoint, then the Hugging Face export if asked for; returns the export's directory."""
         self.validator.run(self.cfg.trainer.max_steps)
+        if self.cfg.eval.tasks:
+            from nemotron_recipe.training.end_eval import evaluate_final_checkpoint
+
+            self.eval_metrics = evaluate_final_checkpoint(self.cfg, self.checkpointer, self.env.device)
+            self.writer.log_eval({"step": self.step, **self.eval_metrics})
         if not self.cfg.checkpoint.export_hf:
             return None
         return str(export_run_checkpoint(self.checkpointer, self.run_dir / "hf"))
@@ -519,6 +528,7 @@ class Trainer:
             "hf_export": hf_dir,
             "skipped_steps": self.guard.skipped,
             **self.validator.summary(),
+            **getattr(self, "eval_metrics", {}),
             **self.metrics.summary(train_time),
             "wall_time_s": time.perf_counter() - self.started,
             "run_dir": str(self.run_dir),

@@ -127,6 +127,13 @@ class MetricsWriter:
             self._plot_failed = True
             log.warning("loss.png not written (and not retried in this run): %s: %s", type(e).__name__, e)
 
+    def log_eval(self, row: dict[str, Any]) -> None:
+        """The row of the `eval.tasks` metrics (`eval/<task>/<metric>`), written and printed."""
+        if not self.enabled:
+            return
+        self._write(row)
+        log.info("step %d  %s", row["step"], "  ".join(f"{k} {_fmt(v)}" for k, v in row.items() if k != "step"))
+
     def advance(self) -> None:
         if self._bar is not None:
             self._bar.update(1)
@@ -292,6 +299,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         for i, row in enumerate(summary.get(key) or []):
             lines.append(f"{label if i == 0 else '':<17}step {row['step']}: {_clip(row['prompt'])} -> "
                          f"{_clip(row['completion'])}")
+    lines += _eval_lines(summary)
     if summary.get("resumed_from") is not None:
         lines.insert(3, f"resumed from     step {summary['resumed_from']}")
     if summary.get("stopped"):
@@ -299,6 +307,16 @@ def print_summary(summary: dict[str, Any]) -> None:
     elif summary.get("checkpoint"):
         lines.append(f"checkpoint       {summary['checkpoint']}")
     print("\n".join(lines), flush=True)
+
+
+def _eval_lines(summary: dict[str, Any]) -> list[str]:
+    """One summary line per `eval.tasks` task: its metrics without their standard errors."""
+    tasks: dict[str, list[str]] = {}
+    for key, value in summary.items():
+        if key.startswith("eval/") and "stderr" not in key:
+            _, task, metric = key.split("/", 2)
+            tasks.setdefault(task, []).append(f"{metric} {_fmt(value)}")
+    return [f"eval {task:<11} " + "  ".join(metrics) for task, metrics in tasks.items()]
 
 
 def earlier_val_losses(run_dir: Path, up_to_step: int) -> list[tuple[int, float]]:

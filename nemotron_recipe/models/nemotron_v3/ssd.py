@@ -139,6 +139,21 @@ def _states_entering_chunks(chunk_states: torch.Tensor, chunk_decay: torch.Tenso
     return torch.stack(states_in, dim=1)
 
 
+def ssd_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+             C: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """One step of the recurrence, for decoding: `state` [b,h,p,n] (fp32) updated in place, x [b,h,p],
+    dt [b,h] (discretized), A [h], B/C [b,g,n], D [h] -> y [b,h,p] in fp32."""
+    b, h, p = x.shape
+    g, n = B.shape[1], B.shape[2]
+    x, dt = x.float(), dt.float()
+    decay = torch.exp(dt * A.float())  # [b,h]
+    xdt = (x * dt[..., None]).view(b, g, h // g, p)
+    state.view(b, g, h // g, p, n).mul_(decay.view(b, g, h // g, 1, 1)).add_(
+        xdt[..., None] * B.float()[:, :, None, None, :])
+    y = (state.view(b, g, h // g, p, n) @ C.float()[:, :, None, :, None]).view(b, h, p)
+    return y + x * D.float()[:, None]
+
+
 def ssd_naive(
     x: torch.Tensor,
     dt: torch.Tensor,

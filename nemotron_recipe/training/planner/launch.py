@@ -12,7 +12,7 @@ from nemotron_recipe.distributed.plan import ParallelPlan
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig
 
 from .activations import Workload
-from .comms import Hardware, activation_bytes, fsdp_bytes, moe_tp_bytes, step_floor
+from .comms import Hardware, activation_bytes, fsdp_bytes, moe_tp_bytes, offload_bytes, step_floor
 from .estimate import MemoryEstimate, Planner
 from .world import Trainability
 
@@ -37,7 +37,7 @@ class Launch:
                     hardware: Hardware | None = None, *, validated: tuple | None = None) -> Launch:
         """`validate_config`'s checks for `world_size` ranks, so a mesh that cannot work fails with
         the message the launch would give."""
-        config, plan = validated or validate_config(cfg, world_size)
+        config, plan = validated or validate_config(cfg, world_size, weights=False)
         t = cfg.trainer
         accum = max(t.global_batch_size // (t.micro_batch_size * plan.dp_size), 1)
         work = Workload(t.micro_batch_size, t.seq_len, t.loss_chunk_size or None)
@@ -61,7 +61,8 @@ class Outcome:
 def evaluate(planner: Planner, launch: Launch) -> Outcome:
     est = planner.estimate(launch.plan, grad_accum=launch.grad_accum, budget=launch.budget, work=launch.work)
     traffic = {**fsdp_bytes(launch.plan, est.state, launch.grad_accum),
-               **activation_bytes(launch.config, launch.plan, launch.work, launch.grad_accum)}
+               **activation_bytes(launch.config, launch.plan, launch.work, launch.grad_accum),
+               **offload_bytes(launch.plan, est.state, launch.grad_accum)}
     if moe_tp := moe_tp_bytes(launch.config, launch.plan, est.state, launch.grad_accum):
         traffic["moe_tp_all_reduce"] = moe_tp
     time = step_floor(launch.config, launch.plan, launch.work, traffic, launch.grad_accum, launch.hardware)
