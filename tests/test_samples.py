@@ -16,6 +16,7 @@ from helpers import SMALL_DIMS, perturb_off_init
 
 from nemotron_recipe.config import ASSETS_DIR
 from nemotron_recipe.data import ChatFormatter, load_sft_examples, load_tokenizer
+from nemotron_recipe.generation import GenerationConfig, generate
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
 from nemotron_recipe.training.samples import configured_prompts, greedy_continue, validation_prompts
 
@@ -60,6 +61,9 @@ def test_batched_padded_decoding_equals_each_prompt_alone():
     for (ids, why), p in zip(stopped, prompts):
         assert ids == one_by_one(model, p, 9, eos) and (why == "eos") == (len(ids) < 9)
     assert greedy_continue(model, prompts, 0, eos_id=None, pad_id=0) == [([], "length")] * 3
+    # The cached decoder (recipes' generation) agrees: the same ids and endings, by another road.
+    cached = generate(model, prompts, GenerationConfig(max_new_tokens=9, eos_token_ids=(eos,)))
+    assert [(r.completion_ids, r.finish_reason) for r in cached] == stopped
 
 
 def test_sample_prompts_are_the_training_prompts():
