@@ -299,10 +299,14 @@ class PeftConfig:
 class EvalConfig:
     """lm-eval tasks (as `recipes.evaluate` runs them) evaluated on the final checkpoint at the end of
     training; their metrics go to metrics.jsonl, the summary and wandb. `limit`: at most this many
-    examples per task (None: all)."""
+    examples per task (None: all). `samples`: prompts (each a user turn in the training chat format)
+    continued greedily for `sample_tokens` tokens at each validation, under the training mesh, and written
+    to samples.jsonl; null: the first two prompts of the validation set; []: none."""
 
     tasks: list[str] = field(default_factory=list)
     limit: Optional[int] = None
+    samples: Optional[list[str]] = None
+    sample_tokens: int = 32  # 0: no samples
 
 
 @dataclass
@@ -636,12 +640,18 @@ def _objective_problems(cfg: Any) -> list[str]:
 
 
 def _eval_problems(cfg: Any) -> list[str]:
-    """`eval.tasks` must name tasks lm-eval can run here (checked now: the run would find out only after
-    training), on a final checkpoint the run saves."""
+    """`eval.samples` and `eval.sample_tokens`; `eval.tasks` must name tasks lm-eval can run here (checked
+    now: the run would find out only after training), on a final checkpoint the run saves."""
     e = getattr(cfg, "eval", None)
-    if e is None or not e.tasks:
+    if e is None:
         return []
     errors: list[str] = []
+    _positive(errors, "eval.sample_tokens", e.sample_tokens, allow_zero=True)
+    for i, text in enumerate(e.samples or []):
+        if not str(text).strip():
+            errors.append(f"eval.samples[{i}]={text!r}: an empty prompt. Fix: give it words, or remove it.")
+    if not e.tasks:
+        return errors
     _positive(errors, "eval.limit", e.limit)
     if not cfg.checkpoint.save_final:
         errors.append(f"eval.tasks={list(e.tasks)}: they run on the final checkpoint, and checkpoint.save_final=false "

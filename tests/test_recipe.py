@@ -117,7 +117,7 @@ def single_process_run(tmp_path_factory) -> Path:
     return run_dir
 
 
-TORCHRUN_STEPS = ["trainer.max_steps=5", "trainer.val_every=0", "data.val_max_batches=null"]
+TORCHRUN_STEPS = ["trainer.max_steps=5", "trainer.val_every=0", "data.val_max_batches=null", "eval.sample_tokens=8"]
 
 
 @pytest.mark.distributed
@@ -161,6 +161,10 @@ def test_torchrun_ranks_share_one_run_dir_and_match_one_process(tmp_path, single
     assert (run_dirs[0] / ".hydra" / "config.yaml").is_file()
     assert (run_dirs[0] / "finetune.log").read_text().count("val_loss") == 2
     assert ("pre-flight: " in (run_dirs[0] / "finetune.log").read_text()) == (PREFLIGHT_ON in mesh)
+    # The samples of each validation (every rank decoding under the mesh) are one process's.
+    samples = [[(r["step"], r["completion_ids"]) for r in map(json.loads, (d / "samples.jsonl").read_text().splitlines())]
+               for d in (run_dirs[0], reference)]
+    assert samples[0] == samples[1] and [s for s, _ in samples[1]] == [0, 0, 5, 5]
 
 
 @pytest.mark.distributed

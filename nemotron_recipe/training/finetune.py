@@ -22,7 +22,8 @@ import torch
 from omegaconf import OmegaConf
 
 from nemotron_recipe.config import validate_config
-from nemotron_recipe.data import GlobalBatchPlan
+from nemotron_recipe.data import ChatFormatter, GlobalBatchPlan
+from nemotron_recipe.data.preference import PreferencePairs
 from nemotron_recipe.distributed.env import DistEnv, distributed
 from nemotron_recipe.distributed.plan import ParallelPlan
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM, build_meta_model
@@ -40,6 +41,7 @@ from nemotron_recipe.training.nonfinite import NonFiniteGuard
 from nemotron_recipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from nemotron_recipe.training.planner.preflight import preflight
 from nemotron_recipe.training.preemption import StopConditions
+from nemotron_recipe.training.samples import Samples, configured_prompts, validation_prompts
 from nemotron_recipe.training.setup import data_layout, parallelize_model
 
 log = logging.getLogger(__name__)
@@ -72,8 +74,9 @@ class Validator:
         writer: MetricsWriter,
         history: list[tuple[int, float]],
         started: float,
+        samples: Samples | None = None,
     ) -> None:
-        self.objective, self.max_batches = objective, cfg.data.val_max_batches
+        self.objective, self.max_batches, self.samples = objective, cfg.data.val_max_batches, samples
         self.every, self.max_steps = cfg.trainer.val_every, cfg.trainer.max_steps
         self.writer, self.history, self.started = writer, history, started
 
@@ -82,20 +85,23 @@ class Validator:
         return bool(self.every) and step % self.every == 0 and step != self.max_steps
 
     def run(self, step: int) -> float:
-        """Runs and logs a validation pass labelled `step`; returns the seconds it took."""
+        """Runs and logs a validation pass labelled `step` (its loss, its samples); returns the seconds it took."""
         began = time.perf_counter()
         metrics = self.objective.validate(self.max_batches)
-        if metrics is None:
-            return 0.0
-        self.history.append((step, metrics["val_loss"]))
-        self.writer.log_val({"step": step, **metrics, "elapsed_s": time.perf_counter() - self.started})
+        if metrics is not None:
+            self.history.append((step, metrics["val_loss"]))
+            self.writer.log_val({"step": step, **metrics, "elapsed_s": time.perf_counter() - self.started})
+        if self.samples is not None:
+            self.samples.run(step)
+        self.writer.plot()
         return time.perf_counter() - began
 
     def summary(self) -> dict[str, float | None]:
         """The summary's validation entries: the first and last loss of the run and their ratio."""
         first = self.history[0][1] if self.history else None
         last = self.history[-1][1] if self.history else None
-        return {"first_val_loss": first, "last_val_loss": last, "val_loss_ratio": (last / first) if first else None}
+        return {"first_val_loss": first, "last_val_loss": last, "val_loss_ratio": (last / first) if first else None,
+                **(self.samples.summary() if self.samples is not None else {})}
 
 
 @dataclass
@@ -168,6 +174,7 @@ class Trainer:
         """Tokenizer, data sets, the batch plan of every step and this rank's validation batches."""
         cfg, t = self.cfg, self.cfg.trainer
         tokenizer, self.data = load_training_data(cfg, model_config.vocab_size)
+        self.tokenizer = tokenizer
         self.pad_id = tokenizer.pad_token_id
         self.batch_plan = GlobalBatchPlan(
             len(self.data.train), t.global_batch_size, t.micro_batch_size, self.layout.dp_rank, self.layout.dp_size,
@@ -288,7 +295,7 @@ class Trainer:
         )
         self.validator = Validator(
             cfg, self.objective, writer=self.writer, history=earlier_val_losses(self.run_dir, self.start_step),
-            started=self.started,
+            started=self.started, samples=self._samples(),
         )
         sequences_per_step = t.global_batch_size * self.objective.sequences_per_example
         self.metrics = TrainMetrics(self.writer, tokens_per_step=sequences_per_step * t.seq_len,
@@ -299,6 +306,22 @@ class Trainer:
         self.guard = NonFiniteGuard(t.nonfinite, t.max_skipped_steps, self.env.device)
         self.balance = RouterBalance(self.model, self.layout.moe_token_group, cfg.moe.bias_update_rate,
                                      cfg.moe.aux_loss_coeff, sequences_per_step=sequences_per_step)
+
+    def _samples(self) -> Samples | None:
+        """The prompts continued at each validation: eval.samples, else the first validation prompts."""
+        e = self.cfg.eval
+        if not e.sample_tokens:
+            return None
+        if e.samples is None:
+            val = self.data.val.chosen if isinstance(self.data.val, PreferencePairs) else self.data.val
+            prompts = validation_prompts(val, self.tokenizer)  # a pair's prompt, its chosen reply the reference
+        else:
+            formatter = ChatFormatter.from_config(self.cfg.data, self.tokenizer)
+            prompts = configured_prompts(list(e.samples), formatter)
+        if not prompts:
+            return None
+        return Samples(self.model, prompts, self.tokenizer, self.writer, max_new_tokens=e.sample_tokens,
+                       seq_len_divisor=self.parallel.seq_len_divisor, cp=self.layout.cp, device=self.env.device)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, Any]:
@@ -331,6 +354,7 @@ class Trainer:
             failed = False
         finally:
             self.stop.restore()
+            self.writer.plot()  # the rows since the last validation (a failed run's too), or all without one
             self.writer.close(failed=failed)
             self.checkpointer.release()
         return summary
