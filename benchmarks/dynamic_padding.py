@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from benchmarks.throughput import _append_row, _measured, device_name
+from benchmarks.measure import device_name
+from benchmarks.results import append_row, measured
 from nemotron_recipe.data import batching
 from nemotron_recipe.training import finetune
 from nemotron_recipe.training.finetune import run
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         how = "seq_len" if padded else "the longest row"
         print(f"seq_len={seq_len}, padded to {how}: {1e3 * t:.1f} ms/step, {t / base:.2f}x seq_len={settings[0][0]}")
         if not args.no_record:
-            _append_row(HEADER, f"| {_measured()} | {device_name(torch.device('cpu'))} | tiny, shipped data, 1 process | "
+            append_row(HEADER, f"| {measured()} | {device_name(torch.device('cpu'))} | tiny, shipped data, 1 process | "
                                 f"{seq_len} | {how} | {1e3 * t:.1f} | {t / base:.2f}x | `{command.strip()}` |")
 
 if __name__ == "__main__":

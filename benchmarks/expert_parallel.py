@@ -25,7 +25,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from benchmarks.throughput import _append_row, _measured, device_name, parallel_setup, step_memory, timed
+from benchmarks.measure import device_name, step_memory, timed
+from benchmarks.results import append_row, measured
+from benchmarks.throughput import parallel_setup
 from nemotron_recipe.distributed.env import distributed
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
 from nemotron_recipe.training.setup import parallelize_model
@@ -150,7 +152,7 @@ def report(args: argparse.Namespace, world_size: int, device: torch.device, rows
               f"MiB stored, {gathered / mib:.1f} MiB gathered to compute; peak {peak / mib:.1f} MiB; experts move "
               f"{moved / mib:.1f} MiB per rank per step")
         if not args.no_record:
-            _append_row(HEADER, f"| {_measured()} | {device_name(device)} | {config} | {mesh} | {args.batch} x "
+            append_row(HEADER, f"| {measured()} | {device_name(device)} | {config} | {mesh} | {args.batch} x "
                                 f"{args.seq_len} | {ep} | {seconds:.3f} | {seconds / base:.2f}x | {stored / mib:.1f} / "
                                 f"{gathered / mib:.1f} MiB | "
                                 f"{peak / mib:.1f} MiB | {moved / mib:.1f} MiB | `{command}` |")

@@ -1,6 +1,6 @@
 """The planner at scale: every preset at world sizes 8, 64 and 512 with the mesh a user would pick,
 bf16 compute with fp32 master weights and AdamW, one sequence of `--seq-len` tokens per micro-batch,
-on 80 GiB devices; prints a Markdown table (per-rank GiB, verdict, seconds to plan) for the README.
+on 80 GiB devices; prints a Markdown table (per-rank GiB, verdict, seconds to plan) for docs/planner-validation.md.
 
     python -m benchmarks.plan_scale
     python -m benchmarks.plan_scale --models nemotron_h_56b --worlds 8,16,32,64,128,256,512 --ac none,full

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from benchmarks.throughput import BENCH_PRESETS, mesh_sizes, step_memory
+from benchmarks.measure import step_memory
+from benchmarks.throughput import BENCH_PRESETS, mesh_sizes
 from nemotron_recipe.distributed.plan import ParallelPlan
 from nemotron_recipe.models.nemotron_v3 import (
     PRESETS,

@@ -39,33 +39,31 @@ Each run appends a row to benchmarks/RESULTS.md with the exact command (`--no-re
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
-import datetime
 import functools
 import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks import results
+from benchmarks.measure import (
+    cpu_bf16_support, device_name, interleaved_times, kept_for_backward, nominal_peak_flops, peak_matmul_flops,
+    resident_bytes, step_memory, timed,
+)
+from benchmarks.results import append_row, gib, measured, mib
 from nemotron_recipe.models.nemotron_v3 import PRESETS, NemotronHConfig, NemotronHForCausalLM
 from nemotron_recipe.models.nemotron_v3.checkpoint import hf_to_native
 from nemotron_recipe.models.nemotron_v3.flops import forward_flops, training_flops
 from nemotron_recipe.training.loss import IGNORE_INDEX, cross_entropy_sum, forward_loss_sum
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+RESULTS = results.RESULTS  # a test points it elsewhere
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # Benchmark shapes that are not released models. `h1024`: 12 blocks at hidden 1024 with the shipped
@@ -202,256 +200,6 @@ def theirs_step(model, optimizer, ids, targets, options) -> None:
         model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def timed(step: Callable[[], None], device: torch.device) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process) of one call. On a CPU that other jobs share, CPU
-    time leaves out the time spent waiting for a core, so its ratio is the steadier one."""
-    _sync(device)
-    start, cpu = time.perf_counter(), time.process_time()
-    step()
-    _sync(device)
-    return time.perf_counter() - start, time.process_time() - cpu
-
-
-def interleaved_times(steps: dict[str, Callable[[], None]], device: torch.device, warmup: int,
-                      rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """(wall seconds, CPU seconds) of each step over `rounds` rounds after `warmup` untimed ones. The
-    steps alternate within a round, so a change in the machine's load falls on all of them alike."""
-    for _ in range(warmup):
-        for step in steps.values():
-            step()
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    cpu_times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            wall, cpu = timed(step, device)
-            times[name].append(wall)
-            cpu_times[name].append(cpu)
-    return times, cpu_times
-
-
-# ---------------------------------------------------------------------------------------- measures
-# Dense bf16 tensor-core peaks from NVIDIA's datasheets (without sparsity), by device name; the
-# first key the name contains wins (so "H100 PCIe" before "H100", which reads as the SXM part).
-NOMINAL_BF16_FLOPS = {
-    "H200": 989e12,
-    "H100 PCIe": 756e12,
-    "H100 NVL": 835e12,
-    "H100": 989e12,
-    "A100": 312e12,
-}
-
-
-def nominal_peak_flops(name: str, dtype: torch.dtype) -> float | None:
-    """The datasheet's dense peak for bf16 on the device called `name`; None when not in the table."""
-    if dtype != torch.bfloat16:
-        return None
-    return next((peak for key, peak in NOMINAL_BF16_FLOPS.items() if key in name), None)
-
-
-def peak_matmul_flops(device: torch.device, dtype: torch.dtype, n: int | None = None, reps: int = 5) -> float:
-    """Best FLOP/s of an n x n x n matmul of `dtype` on `device` (the MFU denominator)."""
-    n = n or (8192 if device.type == "cuda" else 2048)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    a @ b
-    best = 0.0
-    for _ in range(reps):
-        seconds, _ = timed(lambda: a @ b, device)
-        best = max(best, 2 * n**3 / seconds)
-    return best
-
-
-def _rss_hwm() -> tuple[int, int] | None:
-    try:
-        with open("/proc/self/status") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-
-
-def _reset_hwm() -> bool:
-    """Return freed heap pages to the kernel, then restart the high-water mark from the current RSS.
-
-    Without the trim, memory that the allocator keeps from earlier steps would be reused unseen and
-    the peak above the start would read near zero.
-    """
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _storage(t: torch.Tensor) -> tuple[int, int] | None:
-    """(data pointer, bytes) of a plain tensor's storage; None for one without live storage (FSDP
-    frees the storage of its gathered parameters between uses) or a tensor subclass."""
-    if type(t) is not torch.Tensor:
-        return None
-    try:
-        storage = t.untyped_storage()
-        return storage.data_ptr(), storage.nbytes()
-    except RuntimeError:
-        return None
-
-
-@contextlib.contextmanager
-def saved_tensor_bytes(model: torch.nn.Module, total: list[int]):
-    """Adds to total[0] the bytes of every storage autograd saves for backward, parameters excluded."""
-    params = {s[0] for p in model.parameters() if (s := _storage(p.to_local() if hasattr(p, "to_local") else p))}
-    seen: set[int] = set()
-
-    def pack(t: torch.Tensor):
-        s = _storage(t) if isinstance(t, torch.Tensor) else None
-        if s is not None and s[0] not in params and s[0] not in seen:
-            seen.add(s[0])
-            total[0] += s[1]
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield
-
-
-def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes of the storages of the model's parameters, buffers and gradients and of the optimizer's
-    state, each storage counted once (sharded parameters: this rank's shards)."""
-    tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
-    if optimizer is not None:
-        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    seen: dict[int, int] = {}
-    for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
-def step_memory(step: Callable[[], None], model: torch.nn.Module, device: torch.device,
-                optimizer: torch.optim.Optimizer | None = None, *, saved: bool = True) -> dict[str, int | None]:
-    """Peak memory of one step: on CUDA the model's own weights, gradients and optimizer state plus
-    the allocator's peak above the step's start (the peak it would have alone on the device); on CPU
-    the peak RSS above the pre-step RSS. With `saved`, a second step counts the bytes autograd saves
-    for backward (`activations`)."""
-    out: dict[str, int | None] = {"peak": None, "activations": None}
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        own = resident_bytes(model, optimizer)
-        torch.cuda.reset_peak_memory_stats(device)
-        step()
-        torch.cuda.synchronize(device)
-        out["peak_above_start"] = torch.cuda.max_memory_allocated(device) - base
-        out["peak"] = own + out["peak_above_start"]
-        out["device_peak"] = torch.cuda.max_memory_allocated(device)  # both models on the device
-    else:
-        if _reset_hwm() and (before := _rss_hwm()) is not None:
-            step()
-            after = _rss_hwm()
-            out["peak"] = after[1] - before[0]
-        else:
-            step()
-    if saved:
-        total = [0]
-        with saved_tensor_bytes(model, total):
-            step()
-        out["activations"] = total[0]
-    return out
-
-
-class _StoragesMade(TorchDispatchMode):
-    """Weak references to the storage of every plain tensor an op returns while the mode is active."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs: dict[int, StorageWeakRef] = {}
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True  # a compiled region is one op here, its outputs (saved activations too) tracked
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if type(t) is torch.Tensor:
-                ref = StorageWeakRef(t.untyped_storage())
-                known = self.refs.get(ref.cdata)
-                if known is None or known.expired():  # a freed storage's address may be reused
-                    self.refs[ref.cdata] = ref
-        return out
-
-    def live_bytes(self, excluded: set[int]) -> int:
-        total = 0
-        for key, ref in self.refs.items():
-            if key not in excluded and not ref.expired():
-                total += torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes()
-        return total
-
-
-def kept_for_backward(forward: Callable[[], Any], model: torch.nn.Module) -> tuple[int, Any]:
-    """(bytes of the storages `forward` creates that are still alive when it returns, parameters
-    excluded; what `forward` returned). Called before backward, that is the memory autograd keeps for
-    backward, whatever keeps it: saved tensors, the inputs of checkpointed blocks, selective
-    checkpointing's cache of kept outputs (plus the forward's own result). `saved_tensor_bytes` sees
-    none of what a checkpointed block keeps: checkpointing installs saved-tensor hooks of its own,
-    and only the innermost hooks run. Tensors made inside a tensor subclass's dispatch (DTensor's
-    local shards under tensor parallel) are not seen."""
-    tracker = _StoragesMade()
-    with tracker:
-        result = forward()
-    params = {StorageWeakRef(p.untyped_storage()).cdata
-              for p in (q.to_local() if hasattr(q, "to_local") else q for q in model.parameters())}
-    return tracker.live_bytes(params), result
-
-
-def _gib(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
-
-
-# ---------------------------------------------------------------------------------------- runs
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"CPU {cpu}, {torch.get_num_threads()} threads"
-
-
-def cpu_bf16_support() -> str:
-    """Which bf16 matmul the CPU offers (AMX tiles, AVX-512 BF16, or none: bf16 is then emulated)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        flags = []
-    if "amx_bf16" in flags:
-        return "amx_bf16"
-    if "avx512_bf16" in flags:
-        return "avx512_bf16"
-    return "none"
 
 
 def compare(args, cfg, device, parallel) -> dict[str, Any]:
@@ -654,35 +402,6 @@ AC_HEADER = ("| date (commit) | device | config | dtype | mesh | batch x seq | a
              "kept for backward | vs none | peak mem | fast paths | command |")
 
 
-def _append_row(header: str, row: str, path: Path | None = None) -> None:
-    """Insert `row` at the end of the table that starts with `header`, creating either if missing."""
-    path = path or RESULTS
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    lines = text.splitlines()
-    if header not in lines:
-        sep = "|" + "|".join(" --- " for _ in range(header.count("|") - 1)) + "|"
-        lines += ["", header, sep]
-    i = lines.index(header) + 2
-    while i < len(lines) and lines[i].startswith("|"):
-        i += 1
-    lines.insert(i, row)
-    path.write_text("\n".join(lines) + "\n")
-
-
-def _measured() -> str:
-    """Today's date and the commit measured; "+changes" when tracked files differ from it (this
-    file's results table aside)."""
-    root = RESULTS.parent.parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        changed = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", f":!{RESULTS.relative_to(root)}"],
-                                 cwd=root).returncode != 0
-    except (OSError, subprocess.CalledProcessError):
-        return f"{datetime.date.today()} (no git)"
-    return f"{datetime.date.today()} ({commit}{'+changes' if changed else ''})"
-
-
 def _command(argv: list[str]) -> str:
     launcher = "torchrun ... " if "TORCHELASTIC_RUN_ID" in os.environ else ""
     return launcher + "python -m benchmarks.throughput " + " ".join(shlex.quote(a) for a in argv)
@@ -725,11 +444,11 @@ def report_compare(args, cfg, device, result, mesh_desc) -> None:
         kind = "CUDA peak alone (own state + step)" if device.type == "cuda" else "peak RSS above step start"
         print(f"{name:>6}: {r['median_s']:.3f} s/step (median of {len(r['times'])}, range {min(r['times']):.3f}-"
               f"{max(r['times']):.3f}; CPU {r['cpu_s']:.3f} s), {r['tokens_per_s']:,.0f} tok/s, "
-              f"{r['tflops']:.3f} TFLOP/s, {_mfu_text(r)}, {kind} {_gib(mem['peak'])}, "
-              f"saved activations {_gib(mem['activations'])}")
+              f"{r['tflops']:.3f} TFLOP/s, {_mfu_text(r)}, {kind} {gib(mem['peak'])}, "
+              f"saved activations {gib(mem['activations'])}")
     if "per_rank_peak" in result:
         print("per-rank peak: " + "; ".join(
-            f"rank {i}: " + ", ".join(f"{k} {_gib(v)}" for k, v in p.items()) for i, p in enumerate(result["per_rank_peak"])))
+            f"rank {i}: " + ", ".join(f"{k} {gib(v)}" for k, v in p.items()) for i, p in enumerate(result["per_rank_peak"])))
     if "ratio" in result:
         print(f"ours/theirs tokens/s: {result['ratio']:.2f}x (by process CPU time: {result['cpu_ratio']:.2f}x)")
     if args.record:
@@ -743,14 +462,14 @@ def report_compare(args, cfg, device, result, mesh_desc) -> None:
             return f"{r['tflops']:.3f} ({_mfu_text(r)})"
 
         def mem(r):
-            return _gib(r["memory"]["peak"])
+            return gib(r["memory"]["peak"])
 
         ratio = f"{result['ratio']:.2f}x (cpu {result['cpu_ratio']:.2f}x)" if "ratio" in result else "-"
-        row = (f"| {_measured()} | {device_name(device)} | {describe(cfg, args.preset)} | {args.dtype} | "
+        row = (f"| {measured()} | {device_name(device)} | {describe(cfg, args.preset)} | {args.dtype} | "
                f"{mesh_desc} | {args.batch} x {args.seq_len} | {cell('ours', tok)} | {cell('theirs', tok)} | {ratio} | "
                f"{cell('ours', tf)} | {cell('theirs', tf)} | {cell('ours', mem)} / {cell('theirs', mem)} | "
                f"{fast_paths(args)} | `{_command(args.argv)}` |")
-        _append_row(COMPARE_HEADER, row)
+        append_row(COMPARE_HEADER, row, RESULTS)
 
 
 def report_sweep(args, cfg, device, out) -> None:
@@ -765,10 +484,10 @@ def report_sweep(args, cfg, device, out) -> None:
     if args.record:
         per = ", ".join(f"{out['medians'][('ours', n)]:.3f}" for n in lens) if ("ours", lens[0]) in out["medians"] else "-"
         ratio = f"{out['ours_ratio']:.2f}" if "ours_ratio" in out else "-"
-        row = (f"| {_measured()} | {device_name(device)} | {describe(cfg, args.preset)} | {args.dtype} | "
+        row = (f"| {measured()} | {device_name(device)} | {describe(cfg, args.preset)} | {args.dtype} | "
                f"{args.batch} | {', '.join(map(str, lens))} | {per} | {ratio} ({lens[-1] / lens[0]:.1f}) | "
                f"{fast_paths(args)} | `{_command(args.argv)}` |")
-        _append_row(SWEEP_HEADER, row)
+        append_row(SWEEP_HEADER, row, RESULTS)
 
 
 def report_ac(args, cfg, device, result, mesh_desc) -> None:
@@ -780,15 +499,15 @@ def report_ac(args, cfg, device, result, mesh_desc) -> None:
     for mode, r in result.items():
         time_ratio = f"{r['median_s'] / ref['median_s']:.2f}x (cpu {r['cpu_s'] / ref['cpu_s']:.2f}x)"
         kept_ratio = f"{r['kept'] / ref['kept']:.2f}x"
-        print(f"{mode:>10}  {r['median_s']:7.3f}  {time_ratio:>22}  {_mib(r['kept']):>17}  {kept_ratio:>7}  "
-              f"{_gib(r['peak'])}")
-        rows.append(f"| {_measured()} | {device_name(device)} | {describe(cfg, args.preset)} | {args.dtype} | "
+        print(f"{mode:>10}  {r['median_s']:7.3f}  {time_ratio:>22}  {mib(r['kept']):>17}  {kept_ratio:>7}  "
+              f"{gib(r['peak'])}")
+        rows.append(f"| {measured()} | {device_name(device)} | {describe(cfg, args.preset)} | {args.dtype} | "
                     f"{mesh_desc} | {args.batch} x {args.seq_len} | {_ac_name(mode, args)} | {r['median_s']:.3f} | "
-                    f"{time_ratio} | {_mib(r['kept'])} | {kept_ratio} | {_gib(r['peak'])} | {fast_paths(args)} | "
+                    f"{time_ratio} | {mib(r['kept'])} | {kept_ratio} | {gib(r['peak'])} | {fast_paths(args)} | "
                     f"`{_command(args.argv)}` |")
     if args.record:
         for row in rows:
-            _append_row(AC_HEADER, row)
+            append_row(AC_HEADER, row, RESULTS)
 
 
 def report_peft(args, cfg, device, result, mesh_desc) -> None:
@@ -798,16 +517,16 @@ def report_peft(args, cfg, device, result, mesh_desc) -> None:
     print(f"device: {device_name(device)}; config: {describe(cfg, args.preset)}; batch {args.batch} x seq "
           f"{args.seq_len}, {args.dtype} compute, ac={args.ac}, mesh {mesh_desc}; LoRA rank {args.lora_rank}")
     for name, r in result.items():
-        print(f"{name:>5}: {r['median_s']:.3f} s/step, peak {_gib(r['peak'])} (resident {_gib(r['resident'])}), "
+        print(f"{name:>5}: {r['median_s']:.3f} s/step, peak {gib(r['peak'])} (resident {gib(r['resident'])}), "
               f"{r['trained'] / 1e6:.2f}M trained parameters")
     print(f"LoRA/full: time {time_ratio}, peak memory {mem_ratio}")
     if args.record:
-        row = (f"| {_measured()} | {device_name(device)} | {describe(cfg, args.preset)} | {args.dtype} | {mesh_desc} | "
+        row = (f"| {measured()} | {device_name(device)} | {describe(cfg, args.preset)} | {args.dtype} | {mesh_desc} | "
                f"{args.batch} x {args.seq_len} | {_ac_name(args.ac, args)} | {args.lora_rank} | "
                f"{lora['trained'] / 1e6:.2f}M of {full['trained'] / 1e6:.1f}M | {full['median_s']:.3f} | "
-               f"{lora['median_s']:.3f} | {time_ratio} | {_gib(full['peak'])} | {_gib(lora['peak'])} | {mem_ratio} | "
+               f"{lora['median_s']:.3f} | {time_ratio} | {gib(full['peak'])} | {gib(lora['peak'])} | {mem_ratio} | "
                f"`{_command(args.argv)}` |")
-        _append_row(PEFT_HEADER, row)
+        append_row(PEFT_HEADER, row, RESULTS)
 
 
 def _ac_name(mode: str, args) -> str:

@@ -18,7 +18,7 @@ from nemotron_recipe.models.nemotron_v3 import kernels
 from nemotron_recipe.training.loss import cross_entropy_sum
 from nemotron_recipe.training.setup import parallelize_model
 
-from benchmarks.throughput import kept_for_backward
+from benchmarks.measure import kept_for_backward
 from helpers import CONF, SMALL_DIMS, perturb_off_init, scan_inputs
 
 # Every block kind, biases on, a scan of several chunks with a padded last one.

@@ -390,7 +390,7 @@ def test_broken_kernel_install_falls_back_and_says_why_once(monkeypatch, caplog,
 
 # ------------------------------------------------------------------------------------------ benchmark
 def test_nominal_peak_by_device_name():
-    from benchmarks.throughput import nominal_peak_flops
+    from benchmarks.measure import nominal_peak_flops
 
     assert nominal_peak_flops("NVIDIA H200", torch.bfloat16) == 989e12
     assert nominal_peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989e12
@@ -402,7 +402,7 @@ def test_nominal_peak_by_device_name():
 def test_cuda_peak_memory_counts_only_the_model_measured(monkeypatch):
     """Both models and optimizers share the device: each model's peak is its own state plus its
     step's rise, whatever the other one holds (allocator calls faked, no GPU needed)."""
-    from benchmarks import throughput
+    from benchmarks import measure
 
     other = 10 * 2**30  # the other model and its optimizer, on the device all along
     state = {"allocated": other, "peak": other}
@@ -419,9 +419,9 @@ def test_cuda_peak_memory_counts_only_the_model_measured(monkeypatch):
     model(torch.randn(2, 256)).sum().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    own = throughput.resident_bytes(model, opt)
+    own = measure.resident_bytes(model, opt)
     assert own >= 3 * 4 * (256 * 256 + 256)  # weights and AdamW's two moments
-    memory = throughput.step_memory(step, model, torch.device("cuda"), opt)
+    memory = measure.step_memory(step, model, torch.device("cuda"), opt)
     assert memory["peak"] == own + 2**30
 
 

@@ -403,12 +403,13 @@ def test_ac_harness_times_every_mode_against_none(tmp_path, capsys, monkeypatch)
 
 
 def test_results_rows_go_under_their_own_table(tmp_path):
-    from benchmarks.throughput import COMPARE_HEADER, SWEEP_HEADER, _append_row
+    from benchmarks.results import append_row
+    from benchmarks.throughput import COMPARE_HEADER, SWEEP_HEADER
 
     path = tmp_path / "R.md"
-    _append_row(COMPARE_HEADER, "| a |", path)
-    _append_row(SWEEP_HEADER, "| s |", path)
-    _append_row(COMPARE_HEADER, "| b |", path)
+    append_row(COMPARE_HEADER, "| a |", path)
+    append_row(SWEEP_HEADER, "| s |", path)
+    append_row(COMPARE_HEADER, "| b |", path)
     lines = path.read_text().splitlines()
     assert lines.index("| b |") == lines.index("| a |") + 1
     assert lines.index("| s |") > lines.index(SWEEP_HEADER) > lines.index("| b |")

@@ -18,6 +18,9 @@ from typing import Any, Optional
 
 FILE_FORMATS = ("jsonl", "json", "parquet", "csv")
 FORMATS = (*FILE_FORMATS, "hub")
+# `data.format=preference`: rows of (prompt, chosen, rejected) for DPO, the file's format read from its
+# extension (or a hub id), as with data.format=null.
+PREFERENCE = "preference"
 _EXTENSIONS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}
 _BUILDERS = {"parquet": "parquet", "csv": "csv"}  # `datasets` builders of the file formats it reads
 # The line that installs `datasets`, which Parquet, CSV and hub sources need.
@@ -27,6 +30,10 @@ _BOM = b"\xef\xbb\xbf"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 ROLES = ("system", "user", "assistant")
 TRAIN_ON = ("assistant", "last_assistant", "all")
+CHAT_TEMPLATES = ("auto", "builtin", "nemotron3", "tokenizer")
+REASONING_MODES = ("train", "answer_only", "drop")
+# An assistant turn's reasoning beside its content, the key the released Nemotron 3 template reads.
+REASONING_FIELD = "reasoning_content"
 MAX_LENGTH_POLICIES = ("truncate", "drop")
 
 
@@ -89,7 +96,7 @@ def looks_like_hub_id(value: str) -> bool:
 
 def source_format(value: str, fmt: Optional[str]) -> str:
     """`fmt` when given, else the format a local path's extension names, else "hub" for a hub id."""
-    if fmt:
+    if fmt and fmt != PREFERENCE:
         return fmt
     p = Path(value).expanduser()
     if p.exists() or not looks_like_hub_id(value):
@@ -100,9 +107,9 @@ def source_format(value: str, fmt: Optional[str]) -> str:
 def check_data_config(data_cfg: Any) -> list[str]:
     """Problems in the `data` settings that can be found without reading any data."""
     errors: list[str] = []
-    fmt = data_cfg.format
+    fmt = None if data_cfg.format == PREFERENCE else data_cfg.format
     if fmt is not None and fmt not in FORMATS:
-        errors.append(f"data.format={fmt!r}: unknown format. Fix: use one of {list(FORMATS)}, or null to "
+        errors.append(f"data.format={fmt!r}: unknown format. Fix: use one of {[*FORMATS, PREFERENCE]}, or null to "
                       "infer it from the file extension.")
         fmt = None
     for name in ("train_file", "val_file"):
@@ -147,11 +154,20 @@ def check_data_config(data_cfg: Any) -> list[str]:
     for name, choices in (("train_on", TRAIN_ON), ("max_length_policy", MAX_LENGTH_POLICIES)):
         if getattr(data_cfg, name) not in choices:
             errors.append(f"data.{name}={getattr(data_cfg, name)!r}: unknown value. Fix: use one of {list(choices)}.")
-    template = data_cfg.chat_template
-    if template not in ("auto", "builtin") and "{" not in template:
+    reasoning = getattr(data_cfg, "reasoning", "train")
+    if reasoning not in REASONING_MODES:
+        errors.append(f"data.reasoning={reasoning!r}: unknown value. Fix: use one of {list(REASONING_MODES)}.")
+    elif reasoning == "answer_only" and data_cfg.train_on == "all":
         errors.append(
-            f"data.chat_template={template!r}: neither 'auto', 'builtin' nor a Jinja template. Fix: use "
-            "auto (the tokenizer's template, else the built-in format), builtin, or a template string."
+            "data.reasoning=answer_only with data.train_on=all: train_on=all makes every token a target, the "
+            "reasoning's too. Fix: data.train_on=assistant (or last_assistant), or data.reasoning=train."
+        )
+    template = data_cfg.chat_template
+    if template not in CHAT_TEMPLATES and "{" not in template:
+        errors.append(
+            f"data.chat_template={template!r}: neither one of {list(CHAT_TEMPLATES)} nor a Jinja template. Fix: use "
+            "auto (the tokenizer's template, else the built-in format), builtin, nemotron3 (the released Nemotron 3 "
+            "template), tokenizer (its template's generation markers), or a template string."
         )
     return errors
 
@@ -192,11 +208,20 @@ def _check_turns(turns: Any, where: str, cols: Columns) -> list[dict[str, Any]]:
                 f"{where}: turn {n} ({role}) content must be a string, got {type(content).__name__}. "
                 "Fix: store the text of each turn as a string."
             )
+        reasoning = turn.get(REASONING_FIELD)
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise DataError(
+                f"{where}: turn {n} ({role}) {REASONING_FIELD!r} must be a string, got {type(reasoning).__name__}. "
+                "Fix: store the reasoning as a string, or leave the key out."
+            )
     return turns
 
 
 def check_row(row: Any, where: str, cols: Columns) -> None:
     """Raise a `DataError` naming `where` unless `row` has the columns and types `cols` asks for."""
+    if (own_check := getattr(cols, "check_row", None)) is not None:  # other row kinds (preference pairs)
+        own_check(row, where)
+        return
     if not isinstance(row, dict):
         raise DataError(
             f"{where}: expected a JSON object with keys {list(cols.required)}, got a JSON {type(row).__name__}. "
@@ -228,7 +253,13 @@ def turns_of(row: dict[str, Any], cols: Columns) -> list[dict[str, str]]:
     turns = row[cols.messages_key]
     if isinstance(turns, str):
         turns = json.loads(turns)
-    return [{"role": t[cols.role_key], "content": t[cols.content_key]} for t in turns]
+    out = []
+    for t in turns:
+        turn = {"role": t[cols.role_key], "content": t[cols.content_key]}
+        if t.get(REASONING_FIELD) is not None:  # parquet/arrow fill a missing key with None
+            turn[REASONING_FIELD] = t[REASONING_FIELD]
+        out.append(turn)
+    return out
 
 
 # ------------------------------------------------------------------------------- loading
@@ -343,7 +374,8 @@ def _check_dataset(ds: Any, label: str, cols: Columns) -> None:
     if missing:
         raise DataError(
             f"{label}: missing column(s) {missing}; it has columns {ds.column_names}. Fix: rename them, or "
-            "point data.prompt_key/data.response_key (or data.messages_key for chat rows) at these columns."
+            f"point {getattr(cols, 'key_fields', 'data.prompt_key/data.response_key (or data.messages_key for chat rows)')}"
+            " at these columns."
         )
     for i, row in enumerate(ds.select_columns(list(cols.required))):
         check_row(row, f"{label}: row {i + 1}", cols)

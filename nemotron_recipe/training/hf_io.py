@@ -11,7 +11,8 @@ differences are resolved while reading:
 
 Export: a DCP training checkpoint is loaded into an unsharded model in one process without any
 process group (DCP reassembles the shards of whatever mesh saved it) and written by the model's
-own `save_pretrained`, with the run's tokenizer next to it. `export_hf` is the whole export (the
+own `save_pretrained`, with the run's tokenizer next to it, carrying the chat template training
+rendered with, and a generation_config.json. `export_hf` is the whole export (the
 `recipes.export` command); `export_run_checkpoint` is the end of a training run, where every rank
 calls it and rank 0 alone exports.
 
@@ -36,7 +37,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from nemotron_recipe.models.nemotron_v3 import CheckpointError, ModelConfigError, NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.models.nemotron_v3 import (
+    CheckpointError,
+    ModelConfigError,
+    NemotronHConfig,
+    NemotronHForCausalLM,
+    build_meta_model,
+)
 from nemotron_recipe.models.nemotron_v3.checkpoint import (
     mamba_conv_order,
     mamba_in_proj_order,
@@ -55,6 +62,7 @@ from nemotron_recipe.training.checkpoint import (
     read_meta,
     verify_checksums,
 )
+from nemotron_recipe.training.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, OUT_PROJ_FACTORS, export_lora
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +70,6 @@ log = logging.getLogger(__name__)
 MODEL_FILE_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json")
 
 _MAMBA_ROWS = {"in_proj.weight": "in_proj", "in_proj.bias": "in_proj", "conv1d.weight": "conv", "conv1d.bias": "conv"}
-
-
-def build_meta_model(config: NemotronHConfig) -> NemotronHForCausalLM:
-    """The model's structure without storage: parameters and buffers on the meta device."""
-    with torch.device("meta"):
-        return NemotronHForCausalLM(config)
 
 
 def _local_box(t: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
@@ -240,19 +242,21 @@ def _remove_model_files(out: Path) -> None:
             file.unlink()
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = False, merge: bool = False) -> Path:
+def export_hf(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = False, merge: bool = False,
+              out_proj: str = "save") -> Path:
     """Write a training checkpoint as a consolidated Hugging Face directory; returns it.
 
     A non-empty `out_dir` is refused unless `overwrite`, which deletes its weight files (only once
     the checkpoint has loaded) before the new ones are written. A checkpoint holding non-finite
     values (saved by a diverged run of an older version) is refused before anything is written.
-    A LoRA checkpoint becomes a PEFT adapter, or with `merge` a model with the adapters folded in."""
+    A LoRA checkpoint becomes a PEFT adapter, or with `merge` a model with the adapters folded in;
+    `out_proj="skip"` leaves its Mamba2 out_proj adapters out of both (training/lora.py)."""
     out = Path(out_dir).expanduser()
     _check_export_dir(out, overwrite)
     path = find_checkpoint(checkpoint)
     meta = read_meta(path)
     if meta.get("peft") or merge:
-        return _export_lora(path, meta, out, merge=merge)
+        return _export_lora(path, meta, out, merge=merge, out_proj=out_proj)
     model, meta, path = load_checkpoint_model(path)
     bad = [name for name, t in model.state_dict().items() if t.is_floating_point() and not bool(t.isfinite().all())]
     if bad:
@@ -263,17 +267,15 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = 
 
     def write(staging: Path) -> None:
         model.save_pretrained(str(staging))
-        _save_tokenizer(meta, path, staging)
+        save_tokenizer(meta, path, staging)
 
     _publish(out, write, _tensor_bytes(model.state_dict().values()) + _tokenizer_bytes(meta))
     log.info("exported %s (step %d) to %s", path, meta["step"], out)
     return out
 
 
-def _export_lora(path: Path, meta: dict[str, Any], out: Path, *, merge: bool) -> Path:
+def _export_lora(path: Path, meta: dict[str, Any], out: Path, *, merge: bool, out_proj: str) -> Path:
     """A LoRA checkpoint as a PEFT adapter, or merged into its base (training/lora.py)."""
-    from nemotron_recipe.training.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, export_lora
-
     if not meta.get("peft"):
         raise CheckpointError(
             f"{path}: --merge applies to LoRA checkpoints; this one is a full fine-tuning checkpoint, which holds "
@@ -281,13 +283,13 @@ def _export_lora(path: Path, meta: dict[str, Any], out: Path, *, merge: bool) ->
         )
     verify_checksums(path, meta)
     read_dcp_metadata(path)
-    staged, nbytes = export_lora(path, meta, merge=merge)  # all is loaded and merged before a file is written
+    staged, nbytes = export_lora(path, meta, merge=merge, out_proj=out_proj)  # all is loaded and merged before a file is written
 
     def write(staging: Path) -> None:
         staged(staging)
-        _save_tokenizer(meta, path, staging)
+        save_tokenizer(meta, path, staging)
 
-    _publish(out, write, nbytes + _tokenizer_bytes(meta), replaces=(ADAPTER_CONFIG, ADAPTER_WEIGHTS))
+    _publish(out, write, nbytes + _tokenizer_bytes(meta), replaces=(ADAPTER_CONFIG, ADAPTER_WEIGHTS, OUT_PROJ_FACTORS))
     log.info("exported %s (step %d, LoRA%s) to %s", path, meta["step"], ", merged" if merge else "", out)
     return out
 
@@ -351,15 +353,32 @@ def _publish(out: Path, write: Callable[[Path], None], needed: int, replaces: tu
     staging.rmdir()
 
 
-def _save_tokenizer(meta: dict[str, Any], path: Path, out: Path) -> None:
+def save_tokenizer(meta: dict[str, Any], path: Path, out: Path) -> None:
+    """The run's tokenizer, carrying the chat template training rendered with (`data.chat_template`) in
+    tokenizer_config.json, and a generation_config.json with its special ids, so that transformers'
+    `apply_chat_template` and `generate` work the way training did."""
     tokenizer = meta.get("tokenizer")
-    if tokenizer and Path(tokenizer).exists():
-        # Imported here: the data package loads transformers and datasets, which only this line needs.
-        from nemotron_recipe.data import load_tokenizer
-
-        load_tokenizer(tokenizer).save_pretrained(str(out))
-    else:
+    if not (tokenizer and Path(tokenizer).exists()):
         log.warning("tokenizer %r recorded in %s no longer exists: exported the weights without it", tokenizer, path)
+        return
+    # Imported here: the data package loads transformers and datasets, which only this export needs.
+    from transformers import GenerationConfig
+
+    from nemotron_recipe.data import load_tokenizer
+    from nemotron_recipe.data.chat_templates import training_template
+
+    tok = load_tokenizer(tokenizer)
+    setting = (meta.get("data") or {}).get("chat_template", "auto")
+    template = training_template(tok, setting)
+    if template is None:
+        log.warning("data.chat_template=%s: the tokenizer carries no Jinja of this format, so the export has no "
+                    "chat template; apply_chat_template will not render the training format.", setting)
+    tok.chat_template = template
+    # An earlier export's template file would win over the one in tokenizer_config.json on loading.
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    tok.save_pretrained(str(out), save_jinja_files=False)
+    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                     pad_token_id=tok.pad_token_id).save_pretrained(str(out))
 
 
 def export_run_checkpoint(checkpointer: Checkpointer, out_dir: Path) -> Path:
