@@ -40,6 +40,20 @@ def cli(*args: str, cwd: Path = REPO, timeout: int = 120) -> subprocess.Complete
     )
 
 
+def _step_tokens(cfg, steps: int) -> tuple[list[int], list[int]]:
+    """Each step's unpadded and trained tokens over the global batch, counted from the data alone."""
+    from nemotron_recipe.data import GlobalBatchPlan
+    from nemotron_recipe.training.data import load_training_data
+
+    _, data = load_training_data(cfg, vocab_size=10**6)
+    t = cfg.trainer
+    plan = GlobalBatchPlan(len(data.train), t.global_batch_size, t.micro_batch_size, 0, 1, cfg.seed)
+    indices = [plan.global_indices_for_step(s) for s in range(steps)]
+    real = [sum(len(data.train.input_ids[i]) for i in step) for step in indices]
+    trained = [sum(x != -100 for i in step for x in data.train.targets[i]) for step in indices]
+    return real, trained
+
+
 # ---------------------------------------------------------------------------------------- runs
 def test_run_writes_metrics_summary_and_learns(tmp_path):
     summary = run(make_cfg(tmp_path))
@@ -52,6 +66,11 @@ def test_run_writes_metrics_summary_and_learns(tmp_path):
         assert math.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["tokens_per_s"] > 0
     # Warmup: lr climbs linearly over the first optimizer steps.
     assert train[0]["lr"] < train[1]["lr"] < train[2]["lr"]
+    # Throughput counts each step's real tokens (no padding) and its trained tokens over one window.
+    real, trained = _step_tokens(make_cfg(tmp_path), steps=4)
+    for r, n_real, n_trained in zip(train, real, trained, strict=True):
+        assert r["tokens_per_s"] / r["trained_tokens_per_s"] == pytest.approx(n_real / n_trained, rel=1e-9)
+        assert n_real < 4 * 64  # the global batch x seq_len the line once counted, padding included
 
     val = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in val] == [0, 2, 4]

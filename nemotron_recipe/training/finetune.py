@@ -121,6 +121,7 @@ class StepResult:
     # and moe_aux_loss (the balance-loss term, when trained).
     moe: dict[str, float] | None = None
     expert_load: list[list[int]] | None = None  # rows per expert over the global batch, per MoE block
+    real_tokens: int = 0  # the global batch's unpadded tokens, for the throughput
 
 
 class Trainer:
@@ -302,8 +303,7 @@ class Trainer:
             started=self.started, samples=self._samples(),
         )
         sequences_per_step = t.global_batch_size * self.objective.sequences_per_example
-        self.metrics = TrainMetrics(self.writer, tokens_per_step=sequences_per_step * t.seq_len,
-                                    log_every=t.log_every, max_steps=t.max_steps, started=self.started)
+        self.metrics = TrainMetrics(self.writer, log_every=t.log_every, max_steps=t.max_steps, started=self.started)
         # stop_at_step ends the run early but leaves the LR schedule to max_steps.
         self.end_step = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
         self.stop = StopConditions(max_minutes=t.max_minutes, started=self.started, device=self.env.device)
@@ -393,7 +393,8 @@ class Trainer:
         moe = self.balance.after_step(taken=finite) if self.balance else {}
         return StepResult(sums=sums, lr=lr, grad_norm=grad_norm, skipped=not finite,
                           moe={k: v for k, v in moe.items() if k != "expert_load"} or None,
-                          expert_load=moe.get("expert_load"))
+                          expert_load=moe.get("expert_load"),
+                          real_tokens=self.objective.real_tokens(self.batch_plan.global_indices_for_step(step)))
 
     def _last_good_checkpoint(self) -> Path | None:
         """The newest checkpoint this run saved or resumed from: every one of them is finite."""
@@ -411,7 +412,7 @@ class Trainer:
     def log(self, result: StepResult) -> None:
         """Counts the step just done and writes its metrics row when one is due (the loss is summed
         over ranks for those steps only, and every skipped step gets one), then moves the progress bar."""
-        self.metrics.record(result.sums.trained_tokens)
+        self.metrics.record(result.sums.trained_tokens, result.real_tokens)
         if self.metrics.due(self.step) or result.skipped:
             row = self.objective.row(result.sums)
             loss, mtp_loss = row.pop("loss"), row.pop("mtp_loss", None)

@@ -175,21 +175,20 @@ class TrainMetrics:
     """The training rows of the metrics and the throughput totals of the summary.
 
     A row holds the loss, LR and gradient norm of its step and the throughput of the steps since
-    the previous row. Throughput counts input positions (padding included: what the model computes
-    on) and, separately, trained tokens. Seconds spent validating inside the loop are kept out of it
+    the previous row. Throughput counts the batches' real tokens (padding left out) and, separately,
+    trained tokens (the loss's targets). Seconds spent validating inside the loop are kept out of it
     (`exclude`). Called on every rank with the same steps; only the main rank's writer writes.
     """
 
     def __init__(
-        self, writer: MetricsWriter, *, tokens_per_step: int, log_every: int, max_steps: int, started: float
+        self, writer: MetricsWriter, *, log_every: int, max_steps: int, started: float
     ) -> None:
         self.writer = writer
-        self.tokens_per_step = tokens_per_step  # input positions of one global batch
         self.log_every, self.max_steps = log_every, max_steps
         self.started = started  # the run's start: rows report the seconds since
         self.last_loss = float("nan")  # the newest row's loss; NaN while this run has written none
-        self.steps = self.total_trained = 0
-        self.window_steps = self.window_trained = 0
+        self.steps = self.total_trained = self.total_real = 0
+        self.window_trained = self.window_real = 0
         self.excluded = 0.0
         self.train_start = self.window_start = time.perf_counter()
 
@@ -197,12 +196,14 @@ class TrainMetrics:
         """Starts the training clock: what came before (setup, the first validation) is not training."""
         self.train_start = self.window_start = time.perf_counter()
 
-    def record(self, trained_tokens: int) -> None:
-        """One more step done, which trained `trained_tokens` tokens over all ranks."""
+    def record(self, trained_tokens: int, real_tokens: int) -> None:
+        """One more step done: its global batch held `real_tokens` unpadded tokens, of which it trained
+        `trained_tokens`."""
         self.steps += 1
-        self.window_steps += 1
         self.window_trained += trained_tokens
         self.total_trained += trained_tokens
+        self.window_real += real_tokens
+        self.total_real += real_tokens
 
     def due(self, step: int) -> bool:
         return step == 1 or step % self.log_every == 0 or step == self.max_steps
@@ -229,12 +230,12 @@ class TrainMetrics:
             "lr": lr,
             "grad_norm": grad_norm,
             **(moe or {}),
-            "tokens_per_s": self.window_steps * self.tokens_per_step / window_s,
+            "tokens_per_s": self.window_real / window_s,
             "trained_tokens_per_s": self.window_trained / window_s,
             "elapsed_s": now - self.started,
             **({"skipped": True} if skipped else {}),
         })
-        self.window_start, self.window_steps, self.window_trained = now, 0, 0
+        self.window_start, self.window_real, self.window_trained = now, 0, 0
 
     def exclude(self, seconds: float) -> None:
         """Keeps `seconds` spent on other work than training out of the throughput."""
@@ -249,7 +250,7 @@ class TrainMetrics:
         """The summary's loss and throughput entries, over this run's steps and `train_time`."""
         return {
             "final_loss": self.last_loss,
-            "tokens_per_s": self.steps * self.tokens_per_step / train_time,
+            "tokens_per_s": self.total_real / train_time,
             "trained_tokens_per_s": self.total_trained / train_time,
             "train_time_s": train_time,
         }
@@ -288,7 +289,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         *_validation_lines(summary, f),
         f"final train loss {f('final_loss')}",
         (
-            f"throughput       {f('tokens_per_s', '{:.0f}')} positions/s (global batch x seq_len, padding included), "
+            f"throughput       {f('tokens_per_s', '{:.0f}')} tokens/s (real, padding left out), "
             f"{f('trained_tokens_per_s', '{:.0f}')} trained tokens/s (the loss's targets)"
         ),
         f"wall time        {f('wall_time_s', '{:.1f}')} s (training {f('train_time_s', '{:.1f}')} s)",

@@ -38,6 +38,9 @@ class Objective(Protocol):
     def collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """This rank's micro-batch of the training examples at `indices`, sharded over the sequence."""
 
+    def real_tokens(self, indices: list[int]) -> int:
+        """The unpadded tokens of the training examples at `indices` (every sequence of each)."""
+
     def begin_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> Any:
         """The step's global normalisers (a collective), before any micro-batch runs."""
 

@@ -151,6 +151,10 @@ class DPOObjective:
     def collate(self, indices: list[int]) -> dict[str, torch.Tensor]:
         return self._pair_batch(self.data.train, indices)
 
+    def real_tokens(self, indices: list[int]) -> int:
+        pairs = self.data.train
+        return sum(len(pairs.chosen.input_ids[i]) + len(pairs.rejected.input_ids[i]) for i in indices)
+
     # ------------------------------------------------------------------ the step
     def sequence_logps(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """[2 * pairs] summed response log-probs of the micro-batch's halves under `model`."""

@@ -88,6 +88,9 @@ class SFTObjective:
             batch["token_mask"] = torch.arange(batch["input_ids"].shape[1]) < lengths[:, None]
         return {k: self.layout.shard(v) for k, v in batch.items()}
 
+    def real_tokens(self, indices: list[int]) -> int:
+        return sum(len(self.data.train.input_ids[i]) for i in indices)
+
     def begin_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> int:
         """The step's trained tokens summed over every rank that holds different tokens."""
         local = sum(int((b["targets"] != IGNORE_INDEX).sum()) for b in micro_batches)
