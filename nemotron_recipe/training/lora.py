@@ -33,6 +33,7 @@ from nemotron_recipe.models.nemotron_v3 import (
     NemotronHForCausalLM,
 )
 from nemotron_recipe.models.nemotron_v3.checkpoint import safetensors_files
+from nemotron_recipe.training.hf_io import load_hf_sharded
 from nemotron_recipe.models.nemotron_v3.lora import (
     ExpertAdapters,
     LoRAEmbedding,
@@ -46,7 +47,9 @@ from nemotron_recipe.models.nemotron_v3.lora import (
     merged_embedding,
     merged_experts,
     merged_weight,
+    nf4_targets,
     peft_targets,
+    quantize_base,
     remove_linear_adapter,
     set_full_values,
     to_peft,
@@ -54,7 +57,9 @@ from nemotron_recipe.models.nemotron_v3.lora import (
 
 log = logging.getLogger(__name__)
 
-BASE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# The dtype a base is built and read in; an nf4 base is read in bf16 and quantized once the adapters are
+# added (`quantize_nf4_base`), and its export merges into those bf16 weights, not the 4-bit ones.
+BASE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "nf4": torch.bfloat16}
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -103,8 +108,22 @@ def peft_record(cfg: Any, spec: LoRASpec, base: dict[str, Any], targets: list[st
 
 
 def store_base(model: NemotronHForCausalLM, cfg: Any) -> None:
-    """The base in `peft.base_dtype`, the SSM terms and the router kept fp32 (a meta model too)."""
+    """The base in `peft.base_dtype`, the SSM terms and the router kept fp32 (a meta model too). An nf4
+    base is quantized whole before sharding (so every mesh holds the same bits): its weights are read
+    here, unsharded, from `model.pretrained`."""
     model.to(BASE_DTYPES[cfg.peft.base_dtype])
+    if cfg.peft.base_dtype == "nf4" and cfg.model.pretrained:
+        load_hf_sharded(model, cfg.model.pretrained, "cpu")
+
+
+def quantize_nf4_base(model: NemotronHForCausalLM, cfg: Any) -> None:
+    """An nf4 run's base projections in 4 bits, after the adapters are added (their shapes read the
+    bf16 weights); nothing for other runs."""
+    if cfg.peft.base_dtype != "nf4":
+        return
+    before, after = quantize_base(model)
+    log.info("nf4 base: %d projections' weights %.2f MB -> %.2f MB (%.3fx)", len(nf4_targets(model)),
+             before / 1e6, after / 1e6, after / before)
 
 
 # ------------------------------------------------------------------------------- the start
