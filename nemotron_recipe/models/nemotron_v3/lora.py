@@ -48,6 +48,7 @@ from .checkpoint import mamba_in_proj_order
 from .config import ModelConfigError, NemotronHConfig
 from .kernels import linear_cross_entropy_sum
 from .model import Experts, LMHead, NemotronHForCausalLM, expert_matmul, local
+from . import nf4
 from .nf4 import nf4_bytes, quantize
 
 # Every linear projection of every block kind; routed experts (`experts.up_proj`) and LatentMoE's
@@ -98,7 +99,7 @@ class LoRALinear(nn.Linear):
     scaling: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = nf4.linear(x, self.weight, self.bias) if nf4.is_nf4(self.weight) else F.linear(x, self.weight, self.bias)
         low = self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype)))
         # Scaled at rank r, not at the output's width: one multiply of [tokens, r] per projection.
         return out + self.lora_B(low * self.scaling).to(out.dtype)

@@ -101,7 +101,37 @@ def quantize(weight: torch.Tensor, name: str = "weight") -> torch.Tensor:
 
 
 def dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return weight.get_original_weight().to(dtype)
+    """The NF4 tensor `weight` in `dtype`: code book[code] * (int8 scale / factor + mean), blockwise.
+    torchao's own dequantization indexes with int64 codes (16 bytes of temporaries a weight); here the
+    codes are int32 and the code book and scales are cast once, so a GEMM's transient is about 6 bytes
+    a weight besides its result."""
+    data = weight.quantized_data
+    codes = torch.stack((data >> 4, data & 0b1111), dim=-1).view(-1).int()
+    values = weight.nf4.to(dtype).index_select(0, codes)
+    groups = weight.quantized_scalers.numel() // weight.quantization_factor.numel()
+    scalers = weight.quantized_scalers.view(-1, groups).to(torch.float32)
+    absmax = (scalers / weight.quantization_factor.to(torch.float32).unsqueeze(-1)).view(-1).to(weight.dtype)
+    absmax = (absmax + weight.scaler_mean).to(dtype)
+    return (values.view(-1, weight.block_size) * absmax.unsqueeze(-1)).view(weight.shape)
+
+
+class _LinearNF4(torch.autograd.Function):
+    """x @ W^T + b with W an NF4 tensor, dequantized in x's dtype for the forward and again for the
+    backward (W is frozen: only x's gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.weight = weight
+        out = x @ dequantize(weight, x.dtype).t()
+        return out if bias is None else out + bias.to(out.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad @ dequantize(ctx.weight, grad.dtype), None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _LinearNF4.apply(x, weight, bias)
 
 
 def nf4_bytes(t: torch.Tensor) -> int:
