@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+from helpers import RUN_BASE, compose_run
 
 from nemotron_recipe.config import ConfigError
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
@@ -24,10 +24,13 @@ from nemotron_recipe.models.nemotron_v3.lora import (
     quantize_base,
 )
 from nemotron_recipe.models.nemotron_v3.model import Experts, expert_matmul
-from nemotron_recipe.models.nemotron_v3.nf4 import dequantize, is_nf4, nf4_bytes, quantize
+from nemotron_recipe.models.nemotron_v3.nf4 import (
+    dequantize,
+    is_nf4,
+    nf4_bytes,
+    quantize,
+)
 from nemotron_recipe.training.finetune import run
-
-from helpers import RUN_BASE, compose_run
 
 WORKER = Path(__file__).parent / "distributed" / "nf4_worker.py"
 PARITY_RTOL = 1e-5  # nf4-base LoRA curves of a mesh against one process (fp32 compute)

@@ -134,6 +134,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return _LinearNF4.apply(x, weight, bias)
 
 
+def bytes_per_weight(shape: tuple[int, ...]) -> float:
+    """What an NF4 tensor of `shape` stores a weight: half a byte of code, an int8 scale per block,
+    an fp32 factor per group of scales (the per-tensor mean aside)."""
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+    return 0.5 + 1 / BLOCK + 4 / (BLOCK * _scaler_block(rows, cols))
+
+
 def nf4_bytes(t: torch.Tensor) -> int:
     """Bytes an NF4 tensor stores: the 4-bit data, 8-bit scales, fp32 factors and the mean."""
     return sum(x.numel() * x.element_size() for x in (t.quantized_data, t.quantized_scalers,
