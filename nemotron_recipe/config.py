@@ -176,8 +176,14 @@ class DataConfig:
     messages_key: Optional[str] = None  # chat rows: a list of {role, content} turns; replaces prompt/response
     role_key: str = "role"
     content_key: str = "content"
-    chat_template: str = "auto"  # auto (tokenizer's, else built-in) | builtin | a Jinja template
+    # auto (tokenizer's, else built-in) | builtin | nemotron3 (the released Nemotron 3 template) |
+    # tokenizer (its template's {% generation %} markers) | a Jinja template
+    chat_template: str = "auto"
     train_on: str = "assistant"  # assistant | last_assistant | all
+    # The final assistant turn's <think> trace: train | answer_only (in the text, out of the loss) | drop.
+    # Earlier turns lose theirs under every value, as the released Nemotron 3 template renders history.
+    reasoning: str = "train"
+    train_empty_think: bool = False  # an empty <think></think> block is a target only when true
     max_length_policy: str = "truncate"  # rows longer than trainer.seq_len: truncate | drop
     packing: bool = False  # several documents per sequence; global_batch_size then counts packed sequences
     val_max_batches: Optional[int] = 8  # None: the whole validation set

@@ -24,13 +24,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="export into a non-empty OUT_DIR, deleting its old weight files first")
     parser.add_argument("--merge", action="store_true",
                         help="LoRA checkpoints: write the base with the adapters folded in, not a PEFT adapter")
+    parser.add_argument("--out-proj", choices=("save", "skip"), default="save",
+                        help="LoRA checkpoints: Mamba2 out_proj adapters as merged copies in modules_to_save "
+                             "(save, what peft loads on NemotronH), or left out of the adapter and the merge "
+                             "(skip, for tools that cannot load modules_to_save)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     from nemotron_recipe.training.hf_io import export_hf
 
     try:
-        out = export_hf(args.checkpoint, args.out_dir, overwrite=args.overwrite, merge=args.merge)
+        out = export_hf(args.checkpoint, args.out_dir, overwrite=args.overwrite, merge=args.merge,
+                        out_proj=args.out_proj)
     except (CheckpointError, ModelConfigError) as e:
         print(f"Error: {e}", file=sys.stderr)
         return 1

@@ -10,6 +10,9 @@ Outputs are committed, so generation must be byte-for-byte reproducible:
 
     python scripts/make_tiny_data.py            # rewrite the shipped assets
     python scripts/make_tiny_data.py --out DIR  # write elsewhere (used by the tests)
+
+A small second set, ``tiny_reasoning_{train,val}.jsonl``, carries the same tasks with a short
+``<think>`` trace before each answer, for the reasoning options and ``recipes.preview``.
 """
 
 from __future__ import annotations
@@ -114,6 +117,37 @@ def generate_rows(rng: random.Random, n: int, exclude_prompts: frozenset[str] = 
     return rows
 
 
+REASONING_SEED = 20251215
+NUM_REASONING_TRAIN = 400
+NUM_REASONING_VAL = 40
+
+
+def reasoning_for(prompt: str, response: str) -> str:
+    """A short worked trace for one templated task, so traces vary with the row and still end in its answer."""
+    words = prompt.split(": ", 1)[-1].split()
+    if prompt.startswith("Add "):
+        a, b = (int(w.rstrip(".")) for w in prompt.split()[1::2])
+        return f"Tens first: {a // 10 * 10} + {b // 10 * 10} = {a // 10 * 10 + b // 10 * 10}. Then the ones: {a % 10} + {b % 10}."
+    if prompt.startswith("Reverse"):
+        return f"Last word first: {words[-1]}, then {words[-2]}, until {words[0]}."
+    if prompt.startswith("Sort"):
+        return f"Smallest is {min(words)}, largest is {max(words)}."
+    if prompt.startswith("Count"):
+        return " ".join(f"{w} is {i}." for i, w in enumerate(words, 1))
+    if prompt.startswith("Repeat"):
+        return f"Copy the {len(words)} words in order."
+    subject, value = response.rstrip(".").removeprefix("The ").rsplit(" is ", 1)
+    return f"Recall it: {subject} goes with {value}."
+
+
+def generate_reasoning_rows(rng: random.Random, n: int) -> list[dict[str, str]]:
+    """Rows whose responses carry a `<think>` trace before the answer, as reasoning models write them."""
+    return [
+        {"prompt": prompt, "response": f"<think>\n{reasoning_for(prompt, response)}\n</think>\n{response}"}
+        for prompt, response in (rng.choice(TASKS)(rng) for _ in range(n))
+    ]
+
+
 def write_jsonl(path: Path, rows: Iterable[dict[str, str]]) -> None:
     # Explicit newline keeps the bytes identical across platforms.
     with open(path, "w", encoding="utf-8", newline="\n") as f:
@@ -177,9 +211,15 @@ def main(argv: list[str] | None = None) -> None:
     write_jsonl(out / "tiny_sft_train.jsonl", train)
     write_jsonl(out / "tiny_sft_val.jsonl", val)
 
+    # Its own stream: the SFT rows above, and the tokenizer trained on them, stay as they were.
+    reasoning_rng = random.Random(REASONING_SEED)
+    write_jsonl(out / "tiny_reasoning_train.jsonl", generate_reasoning_rows(reasoning_rng, NUM_REASONING_TRAIN))
+    write_jsonl(out / "tiny_reasoning_val.jsonl", generate_reasoning_rows(reasoning_rng, NUM_REASONING_VAL))
+
     texts = [text for row in train for text in (row["prompt"], row["response"])]
     save_hf_tokenizer(train_tokenizer(texts), out)
-    print(f"wrote {len(train)} train / {len(val)} val rows and a {VOCAB_SIZE}-token tokenizer to {out}")
+    print(f"wrote {len(train)} train / {len(val)} val rows, {NUM_REASONING_TRAIN} / {NUM_REASONING_VAL} rows with "
+          f"reasoning traces and a {VOCAB_SIZE}-token tokenizer to {out}")
 
 
 if __name__ == "__main__":

@@ -22,11 +22,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from nemotron_recipe.models.nemotron_v3 import PRESETS, CheckpointError, NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.models.nemotron_v3 import PRESETS, CheckpointError, NemotronHConfig, NemotronHForCausalLM, build_meta_model
 from nemotron_recipe.models.nemotron_v3.checkpoint import native_to_hf
 from nemotron_recipe.training.checkpoint import PUBLISH_DELAY_ENV, complete_checkpoints
 from nemotron_recipe.training.finetune import run
-from nemotron_recipe.training.hf_io import build_meta_model, load_checkpoint_model, load_hf_sharded
+from nemotron_recipe.training.hf_io import load_checkpoint_model, load_hf_sharded
 from nemotron_recipe.training.optim import lr_factor
 
 from helpers import RUN_BASE, compose_run, metrics_rows, perturb_off_init

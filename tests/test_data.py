@@ -18,7 +18,8 @@ from nemotron_recipe.data import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHIPPED_FILES = ["tiny_sft_train.jsonl", "tiny_sft_val.jsonl", "tokenizer.json", "tokenizer_config.json"]
+SHIPPED_FILES = ["tiny_sft_train.jsonl", "tiny_sft_val.jsonl", "tiny_reasoning_train.jsonl", "tiny_reasoning_val.jsonl",
+                 "tokenizer.json", "tokenizer_config.json"]
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,13 @@ from helpers import SMALL_DIMS
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.models.nemotron_v3 import (
+    NemotronHConfig,
+    NemotronHForCausalLM,
+    build_meta_model,
+)
 from nemotron_recipe.models.nemotron_v3.checkpoint import CheckpointError, hf_to_native
-from nemotron_recipe.training.hf_io import build_meta_model, load_hf_sharded
+from nemotron_recipe.training.hf_io import load_hf_sharded
 
 FP8_MAX = 448.0  # largest float8_e4m3fn
 CFG = NemotronHConfig(pattern="M*-E", **SMALL_DIMS)

@@ -370,6 +370,82 @@ def test_embedding_and_lm_head_adapters_match_peft(tmp_path, base_dir):
         torch.testing.assert_close(merged.eval()(x).logits, theirs, rtol=0, atol=LOGITS_ATOL)
 
 
+def _peft_and_merged_logits(out: Path, base: Path, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    import peft
+
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        adapted = peft.PeftModel.from_pretrained(hf_model(base), str(out / "adapter")).eval()
+        return adapted(x).logits, hf_model(out / "merged")(x).logits
+
+
+def test_export_round_trips_on_a_bf16_trained_base(tmp_path, base_dir):
+    """A run on the default bf16 base with the default targets (every block kind of the tiny preset):
+    its PEFT export starts a run with exactly the checkpoint's adapters, Mamba2 out_proj included, and
+    peft on the fp32 base files equals the merged export (both merge into the files' own values)."""
+    summary = lora_run(tmp_path / "run", "peft=lora", f"model.pretrained={base_dir}", "trainer.max_steps=3")
+    checkpoint = Path(summary["checkpoint"])
+    export_hf(checkpoint, tmp_path / "adapter")
+    export_hf(checkpoint, tmp_path / "merged", merge=True)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] and all(m.endswith("mixer.out_proj") for m in config["modules_to_save"])
+
+    meta = read_meta(checkpoint)
+    model, trained = load_adapters(checkpoint, meta)
+    started = read_peft_adapter(tmp_path / "adapter", model.config, _spec_of(meta), adapter_parameters(model))
+    assert started.keys() == trained.keys()
+    assert any(".out_proj." in n for n in started) and any(".experts.lora." in n for n in started)
+    for name, value in trained.items():
+        assert torch.equal(started[name], value), name
+
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), "pt") as f:
+        copies = [f.get_slice(k).get_dtype() for k in f.keys() if k.endswith("out_proj.weight")]
+    assert copies and set(copies) == {"F32"}  # the base files' dtype, not the bf16 the run stored
+    x = ids()
+    adapted, merged = _peft_and_merged_logits(tmp_path, base_dir, x)
+    torch.testing.assert_close(adapted, merged, rtol=0, atol=LOGITS_ATOL)
+    assert (hf_model(base_dir)(x).logits - merged).abs().max() > 100 * LOGITS_ATOL
+
+    # --out-proj skip: no modules_to_save; the adapter and the merge both leave out_proj's adapters out.
+    export_hf(checkpoint, tmp_path / "skip" / "adapter", out_proj="skip")
+    export_hf(checkpoint, tmp_path / "skip" / "merged", merge=True, out_proj="skip")
+    skipped = json.loads((tmp_path / "skip" / "adapter" / "adapter_config.json").read_text())
+    assert skipped["modules_to_save"] is None
+    assert not (tmp_path / "skip" / "adapter" / "out_proj_lora.safetensors").exists()
+    adapted_skip, merged_skip = _peft_and_merged_logits(tmp_path / "skip", base_dir, x)
+    torch.testing.assert_close(adapted_skip, merged_skip, rtol=0, atol=LOGITS_ATOL)
+    assert (adapted_skip - adapted).abs().max() > 100 * LOGITS_ATOL  # out_proj's adapters did matter
+
+
+def _spec_of(meta: dict) -> LoRASpec:
+    p = meta["peft"]
+    return LoRASpec(p["rank"], p["alpha"], p["dropout"], tuple(p["target_modules"]))
+
+
+def test_adapter_of_a_drawn_base_exports_that_base(tmp_path):
+    """A run on a preset's seed-drawn weights has no base directory: the export writes the base it
+    trained on beside the adapter and names it, and peft on it equals the merged export."""
+    summary = lora_run(tmp_path / "run", "peft=lora", "trainer.max_steps=2")
+    export_hf(summary["checkpoint"], tmp_path / "adapter")
+    export_hf(summary["checkpoint"], tmp_path / "merged", merge=True)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((tmp_path / "adapter" / "base").resolve())
+    adapted, merged = _peft_and_merged_logits(tmp_path, Path(config["base_model_name_or_path"]), ids())
+    torch.testing.assert_close(adapted, merged, rtol=0, atol=LOGITS_ATOL)
+
+
+def test_init_from_needs_the_out_proj_factors_of_its_copies(tmp_path, base_dir, trained):
+    """An adapter whose Mamba2 out_proj adapters are full copies only cannot start those adapters: the
+    run is refused, naming the file and the fixes, rather than starting them from zero."""
+    export_hf(trained, tmp_path / "adapter")
+    (tmp_path / "adapter" / "out_proj_lora.safetensors").unlink()
+    with pytest.raises(LoRAError, match="out_proj_lora.safetensors.*--out-proj skip"):
+        lora_run(tmp_path / "run", "peft=lora", "peft.base_dtype=fp32", f"model.pretrained={base_dir}",
+                 f"peft.init_from={tmp_path / 'adapter'}", "trainer.max_steps=1")
+
+
 # ------------------------------------------------------------------ meshes
 LORA_CASES_2 = ["1,2,1,1,0,none", "1,1,1,2,1,none", "1,1,2,1,0,none", "1,2,1,1,0,full", "1,2,1,1,0,selective",
                 "1,2,1,1,0,blocks"]

@@ -1,7 +1,7 @@
 """Data layer: sources (files, hub datasets), chat rendering, tokenization, packing and batching."""
 
 from .batching import GlobalBatchPlan, ValBatches, collate, val_batches
-from .chat import ChatFormatter
+from .chat import ChatFormatter, Encoded, encode_conversation
 from .packing import pack_examples
 from .sft import (
     IGNORE_INDEX,
@@ -20,6 +20,7 @@ __all__ = [
     "DEFAULT_ASSETS_DIR",
     "IGNORE_INDEX",
     "ChatFormatter",
+    "Encoded",
     "Columns",
     "DataError",
     "GlobalBatchPlan",
@@ -29,6 +30,7 @@ __all__ = [
     "ValBatches",
     "check_data_config",
     "collate",
+    "encode_conversation",
     "encode_examples",
     "load_rows",
     "load_sft_data",

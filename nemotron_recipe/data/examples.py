@@ -18,7 +18,8 @@ class SFTExamples:
     lists the lengths of the documents laid end to end in sequence ``i``.
     Counts: rows cut to ``seq_len`` (``num_truncated``), rows longer than ``seq_len`` left out
     under ``data.max_length_policy=drop`` (``num_dropped``), rows with no trained token left out
-    (``num_skipped``: no assistant turn, or a prompt filling the whole sequence).
+    (``num_skipped``: no assistant turn, or a prompt filling the whole sequence), and rows whose
+    assistant turns carry a reasoning trace (``num_reasoning``, counted before any is left out).
     """
 
     input_ids: list[list[int]]
@@ -26,6 +27,7 @@ class SFTExamples:
     num_truncated: int = 0
     num_skipped: int = 0
     num_dropped: int = 0
+    num_reasoning: int = 0
     document_lengths: Optional[list[list[int]]] = None
 
     def __len__(self) -> int:
@@ -48,4 +50,5 @@ class SFTExamples:
             "truncated": self.num_truncated,
             "dropped": self.num_dropped,
             "skipped": self.num_skipped,
+            "with_reasoning": self.num_reasoning,
         }

@@ -53,7 +53,7 @@ def pack_examples(examples: SFTExamples, seq_len: int, *, seed: int) -> SFTExamp
 
     out = SFTExamples(
         input_ids=[], targets=[], num_truncated=examples.num_truncated, num_skipped=examples.num_skipped,
-        num_dropped=examples.num_dropped, document_lengths=[],
+        num_dropped=examples.num_dropped, num_reasoning=examples.num_reasoning, document_lengths=[],
     )
     for members in bins:
         out.input_ids.append([tok for i in members for tok in examples.input_ids[i]])

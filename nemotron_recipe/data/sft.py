@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import logging
+
 import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
@@ -14,7 +16,10 @@ from transformers import PreTrainedTokenizerBase
 from .chat import ChatFormatter, Encoded, describe
 from .examples import IGNORE_INDEX, SFTExamples
 from .packing import pack_examples
+from .reasoning import has_reasoning
 from .sources import MAX_LENGTH_POLICIES, Columns, DataError, Rows, load_rows, source_format, turns_of
+
+log = logging.getLogger(__name__)
 
 # Rows are rendered and tokenized this many at a time: large enough for batched tokenization,
 # small enough that a big data set never holds all its intermediate lists at once.
@@ -65,6 +70,7 @@ def tokenize_rows(
         batch = ds[chunk] if indices is not None else ds[lo : lo + len(chunk)]
         as_rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
         conversations = [turns_of(r, cols) for r in as_rows]
+        out.num_reasoning += sum(has_reasoning(turns) for turns in conversations)
         where = [rows.where(i) for i in chunk]
         encode_examples(formatter.encode(conversations, where), seq_len, max_length_policy, out)
     return out
@@ -96,11 +102,14 @@ def load_sft_examples(
     chat_template: str = "auto",
     train_on: str = "assistant",
     max_length_policy: str = "truncate",
+    reasoning: str = "train",
+    train_empty_think: bool = False,
 ) -> SFTExamples:
     """Check, load and tokenize one source (see `load_sft_data` for the config-driven entry point)."""
     cols = Columns(prompt_key=prompt_key, response_key=response_key, messages_key=messages_key)
     rows = load_rows(str(path), field_name=field_name, cols=cols, fmt=fmt, split=split)
-    formatter = ChatFormatter(tokenizer, template=chat_template, train_on=train_on)
+    formatter = ChatFormatter(tokenizer, template=chat_template, train_on=train_on, reasoning=reasoning,
+                              train_empty_think=train_empty_think)
     examples = tokenize_rows(rows, formatter, cols, seq_len=seq_len, max_length_policy=max_length_policy)
     _require_examples(examples, field_name, str(path), seq_len)
     return examples
@@ -138,7 +147,8 @@ class SFTData:
             packed = f" packed into {len(ex)} sequences" if ex.packed else ""
             parts.append(
                 f"{name}: {ex.num_documents} examples{packed} ({ex.num_truncated} truncated to seq_len={seq_len}, "
-                f"{ex.num_dropped} dropped as longer, {ex.num_skipped} skipped with nothing to train on)"
+                f"{ex.num_dropped} dropped as longer, {ex.num_skipped} skipped with nothing to train on, "
+                f"{ex.num_reasoning} with reasoning traces)"
             )
         return f"{'; '.join(parts)}; {self.formatter}"
 
@@ -173,7 +183,7 @@ def load_sft_data(data_cfg: Any, tokenizer: PreTrainedTokenizerBase, *, seq_len:
 
 def _load_sft_data(data_cfg: Any, tokenizer: PreTrainedTokenizerBase, *, seq_len: int, seed: int) -> SFTData:
     cols = Columns.from_config(data_cfg)
-    formatter = ChatFormatter(tokenizer, template=data_cfg.chat_template, train_on=data_cfg.train_on)
+    formatter = ChatFormatter.from_config(data_cfg, tokenizer)
     kw = dict(seq_len=seq_len, max_length_policy=data_cfg.max_length_policy)
 
     train_rows = load_rows(data_cfg.train_file, field_name="data.train_file", cols=cols, fmt=data_cfg.format,
@@ -194,7 +204,24 @@ def _load_sft_data(data_cfg: Any, tokenizer: PreTrainedTokenizerBase, *, seq_len
         train = tokenize_rows(train_rows, formatter, cols, **kw)
     _require_examples(train, "data.train_file", data_cfg.train_file, seq_len)
 
+    _note_reasoning_without_traces(formatter, data_cfg, train, val)
     if data_cfg.packing:
         train = pack_examples(train, seq_len, seed=seed)
         val = None if val is None else pack_examples(val, seq_len, seed=seed)
     return SFTData(train=train, val=val, formatter=describe(formatter))
+
+
+def _note_reasoning_without_traces(formatter: ChatFormatter, data_cfg: Any, train: SFTExamples,
+                                   val: Optional[SFTExamples]) -> None:
+    """`data.reasoning` set to act on traces the data does not have: said once (by rank 0), not per row."""
+    mode = formatter.policy.mode
+    if mode == "train" or train.num_reasoning or (val is not None and val.num_reasoning):
+        return
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    log.warning(
+        "data.reasoning=%s: no row of data.train_file=%r%s has a reasoning trace (<think>...</think> in an assistant "
+        "turn, or a 'reasoning_content' field), so the setting changes nothing. Fix: point data.train_file at data "
+        "with reasoning traces, or leave data.reasoning at train.", mode, data_cfg.train_file,
+        "" if data_cfg.val_file is None else f" or data.val_file={data_cfg.val_file!r}",
+    )

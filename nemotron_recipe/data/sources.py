@@ -26,6 +26,10 @@ _BUILDERS = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 ROLES = ("system", "user", "assistant")
 TRAIN_ON = ("assistant", "last_assistant", "all")
+CHAT_TEMPLATES = ("auto", "builtin", "nemotron3", "tokenizer")
+REASONING_MODES = ("train", "answer_only", "drop")
+# An assistant turn's reasoning beside its content, the key the released Nemotron 3 template reads.
+REASONING_FIELD = "reasoning_content"
 MAX_LENGTH_POLICIES = ("truncate", "drop")
 
 
@@ -138,11 +142,20 @@ def check_data_config(data_cfg: Any) -> list[str]:
     for name, choices in (("train_on", TRAIN_ON), ("max_length_policy", MAX_LENGTH_POLICIES)):
         if getattr(data_cfg, name) not in choices:
             errors.append(f"data.{name}={getattr(data_cfg, name)!r}: unknown value. Fix: use one of {list(choices)}.")
-    template = data_cfg.chat_template
-    if template not in ("auto", "builtin") and "{" not in template:
+    reasoning = getattr(data_cfg, "reasoning", "train")
+    if reasoning not in REASONING_MODES:
+        errors.append(f"data.reasoning={reasoning!r}: unknown value. Fix: use one of {list(REASONING_MODES)}.")
+    elif reasoning == "answer_only" and data_cfg.train_on == "all":
         errors.append(
-            f"data.chat_template={template!r}: neither 'auto', 'builtin' nor a Jinja template. Fix: use "
-            "auto (the tokenizer's template, else the built-in format), builtin, or a template string."
+            "data.reasoning=answer_only with data.train_on=all: train_on=all makes every token a target, the "
+            "reasoning's too. Fix: data.train_on=assistant (or last_assistant), or data.reasoning=train."
+        )
+    template = data_cfg.chat_template
+    if template not in CHAT_TEMPLATES and "{" not in template:
+        errors.append(
+            f"data.chat_template={template!r}: neither one of {list(CHAT_TEMPLATES)} nor a Jinja template. Fix: use "
+            "auto (the tokenizer's template, else the built-in format), builtin, nemotron3 (the released Nemotron 3 "
+            "template), tokenizer (its template's generation markers), or a template string."
         )
     return errors
 
@@ -183,6 +196,12 @@ def _check_turns(turns: Any, where: str, cols: Columns) -> list[dict[str, Any]]:
                 f"{where}: turn {n} ({role}) content must be a string, got {type(content).__name__}. "
                 "Fix: store the text of each turn as a string."
             )
+        reasoning = turn.get(REASONING_FIELD)
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise DataError(
+                f"{where}: turn {n} ({role}) {REASONING_FIELD!r} must be a string, got {type(reasoning).__name__}. "
+                "Fix: store the reasoning as a string, or leave the key out."
+            )
     return turns
 
 
@@ -219,7 +238,13 @@ def turns_of(row: dict[str, Any], cols: Columns) -> list[dict[str, str]]:
     turns = row[cols.messages_key]
     if isinstance(turns, str):
         turns = json.loads(turns)
-    return [{"role": t[cols.role_key], "content": t[cols.content_key]} for t in turns]
+    out = []
+    for t in turns:
+        turn = {"role": t[cols.role_key], "content": t[cols.content_key]}
+        if t.get(REASONING_FIELD) is not None:  # parquet/arrow fill a missing key with None
+            turn[REASONING_FIELD] = t[REASONING_FIELD]
+        out.append(turn)
+    return out
 
 
 # ------------------------------------------------------------------------------- loading

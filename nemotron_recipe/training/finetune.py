@@ -26,25 +26,32 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from nemotron_recipe.config import ConfigError, validate_config
-from nemotron_recipe.data import (
-    GlobalBatchPlan,
-    collate,
-    load_sft_data,
-    load_tokenizer,
-    val_batches,
-)
+from nemotron_recipe.config import validate_config
+from nemotron_recipe.data import GlobalBatchPlan, collate, val_batches
 from nemotron_recipe.distributed.env import DistEnv, distributed
 from nemotron_recipe.distributed.plan import ParallelPlan
-from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
-from nemotron_recipe.models.nemotron_v3.lora import add_adapters, freeze_base, is_adapter
+from nemotron_recipe.models.nemotron_v3 import (
+    NemotronHConfig,
+    NemotronHForCausalLM,
+    build_meta_model,
+)
+from nemotron_recipe.models.nemotron_v3.lora import (
+    add_adapters,
+    freeze_base,
+    is_adapter,
+)
 from nemotron_recipe.models.nemotron_v3.mtp import shift_for_mtp
 from nemotron_recipe.training.checkpoint import Checkpointer
 from nemotron_recipe.training.compile import compile_blocks
 from nemotron_recipe.training.cpu_memory import keep_freed_memory
-from nemotron_recipe.training.hf_io import build_meta_model, export_run_checkpoint, load_hf_sharded
-from nemotron_recipe.training.logging import MetricsWriter, TrainMetrics, earlier_val_losses, print_summary
-from nemotron_recipe.training.moe_balance import RouterBalance, freeze_routers
+from nemotron_recipe.training.data import load_training_data
+from nemotron_recipe.training.hf_io import export_run_checkpoint, load_hf_sharded
+from nemotron_recipe.training.logging import (
+    MetricsWriter,
+    TrainMetrics,
+    earlier_val_losses,
+    print_summary,
+)
 from nemotron_recipe.training.lora import (
     base_record,
     lora_spec,
@@ -53,9 +60,19 @@ from nemotron_recipe.training.lora import (
     start_adapters,
     store_base,
 )
-from nemotron_recipe.training.loss import IGNORE_INDEX, forward_loss_sum, forward_loss_sums, local_value
+from nemotron_recipe.training.loss import (
+    IGNORE_INDEX,
+    forward_loss_sum,
+    forward_loss_sums,
+    local_value,
+)
+from nemotron_recipe.training.moe_balance import RouterBalance, freeze_routers
 from nemotron_recipe.training.nonfinite import NonFiniteGuard
-from nemotron_recipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from nemotron_recipe.training.optim import (
+    build_optimizer,
+    build_scheduler,
+    clip_grad_norm_,
+)
 from nemotron_recipe.training.planner.preflight import preflight
 from nemotron_recipe.training.preemption import StopConditions
 from nemotron_recipe.training.setup import DataLayout, data_layout, parallelize_model
@@ -225,14 +242,7 @@ class Trainer:
     def _setup_data(self, model_config: NemotronHConfig) -> None:
         """Tokenizer, data sets, the batch plan of every step and this rank's validation batches."""
         cfg, t = self.cfg, self.cfg.trainer
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
-        if len(tokenizer) > model_config.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size={model_config.vocab_size} is smaller than the tokenizer's {len(tokenizer)} "
-                f"tokens (data.tokenizer={cfg.data.tokenizer!r}). Fix: set model.vocab_size>={len(tokenizer)} "
-                "or use the model's own tokenizer."
-            )
-        self.data = load_sft_data(cfg.data, tokenizer, seq_len=t.seq_len, seed=cfg.seed)
+        tokenizer, self.data = load_training_data(cfg, model_config.vocab_size)
         self.pad_id = tokenizer.pad_token_id
         self.batch_plan = GlobalBatchPlan(
             len(self.data.train), t.global_batch_size, t.micro_batch_size, self.layout.dp_rank, self.layout.dp_size,
@@ -291,6 +301,9 @@ class Trainer:
         record = None
         if self.lora:
             store_base(model, self.cfg)
+            if self.cfg.peft.base_dtype == "nf4" and self.cfg.model.pretrained:
+                # Quantized whole before sharding, so every mesh holds the same bits: read unsharded.
+                load_hf_sharded(model, self.cfg.model.pretrained, "cpu")
             base = self.checkpointer.on_rank0(lambda: base_record(self.cfg, model))
             targets = add_adapters(model, self.lora)
             quantize_nf4_base(model, self.cfg)

@@ -38,6 +38,7 @@ from nemotron_recipe.models.nemotron_v3 import (
     ModelConfigError,
     NemotronHConfig,
     NemotronHForCausalLM,
+    build_meta_model,
 )
 from nemotron_recipe.models.nemotron_v3.checkpoint import (
     mamba_conv_order,
@@ -57,6 +58,7 @@ from nemotron_recipe.training.checkpoint import (
     read_meta,
     verify_checksums,
 )
+from nemotron_recipe.training.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, OUT_PROJ_FACTORS, export_lora
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +66,6 @@ log = logging.getLogger(__name__)
 MODEL_FILE_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json")
 
 _MAMBA_ROWS = {"in_proj.weight": "in_proj", "in_proj.bias": "in_proj", "conv1d.weight": "conv", "conv1d.bias": "conv"}
-
-
-def build_meta_model(config: NemotronHConfig) -> NemotronHForCausalLM:
-    """The model's structure without storage: parameters and buffers on the meta device."""
-    with torch.device("meta"):
-        return NemotronHForCausalLM(config)
 
 
 def _local_box(t: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
@@ -256,19 +252,21 @@ def _remove_model_files(out: Path) -> None:
             file.unlink()
 
 
-def export_hf(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = False, merge: bool = False) -> Path:
+def export_hf(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = False, merge: bool = False,
+              out_proj: str = "save") -> Path:
     """Write a training checkpoint as a consolidated Hugging Face directory; returns it.
 
     A non-empty `out_dir` is refused unless `overwrite`, which deletes its weight files (only once
     the checkpoint has loaded) before the new ones are written. A checkpoint holding non-finite
     values (saved by a diverged run of an older version) is refused before anything is written.
-    A LoRA checkpoint becomes a PEFT adapter, or with `merge` a model with the adapters folded in."""
+    A LoRA checkpoint becomes a PEFT adapter, or with `merge` a model with the adapters folded in;
+    `out_proj="skip"` leaves its Mamba2 out_proj adapters out of both (training/lora.py)."""
     out = Path(out_dir).expanduser()
     _check_export_dir(out, overwrite)
     path = find_checkpoint(checkpoint)
     meta = read_meta(path)
     if meta.get("peft") or merge:
-        return _export_lora(path, meta, out, merge=merge)
+        return _export_lora(path, meta, out, merge=merge, out_proj=out_proj)
     model, meta, path = load_checkpoint_model(path)
     bad = [name for name, t in model.state_dict().items() if t.is_floating_point() and not bool(t.isfinite().all())]
     if bad:
@@ -284,14 +282,8 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = 
     return out
 
 
-def _export_lora(path: Path, meta: dict[str, Any], out: Path, *, merge: bool) -> Path:
+def _export_lora(path: Path, meta: dict[str, Any], out: Path, *, merge: bool, out_proj: str) -> Path:
     """A LoRA checkpoint as a PEFT adapter, or merged into its base (training/lora.py)."""
-    from nemotron_recipe.training.lora import (
-        ADAPTER_CONFIG,
-        ADAPTER_WEIGHTS,
-        export_lora,
-    )
-
     if not meta.get("peft"):
         raise CheckpointError(
             f"{path}: --merge applies to LoRA checkpoints; this one is a full fine-tuning checkpoint, which holds "
@@ -299,10 +291,10 @@ def _export_lora(path: Path, meta: dict[str, Any], out: Path, *, merge: bool) ->
         )
     verify_checksums(path, meta)
     read_dcp_metadata(path)
-    staged = export_lora(path, meta, merge=merge)  # everything is loaded and merged before a file is written
+    staged = export_lora(path, meta, merge=merge, out_proj=out_proj)  # everything is loaded and merged before a file is written
     out.mkdir(parents=True, exist_ok=True)
     _remove_model_files(out)
-    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, OUT_PROJ_FACTORS):
         (out / name).unlink(missing_ok=True)
     staged(out)
     _save_tokenizer(meta, path, out)

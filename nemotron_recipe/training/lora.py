@@ -31,10 +31,14 @@ from nemotron_recipe.models.nemotron_v3 import (
     CheckpointError,
     NemotronHConfig,
     NemotronHForCausalLM,
+    build_meta_model,
 )
-from nemotron_recipe.models.nemotron_v3.checkpoint import safetensors_files
-from nemotron_recipe.training.hf_io import load_hf_sharded
+from nemotron_recipe.models.nemotron_v3.checkpoint import (
+    in_saved_dtypes,
+    safetensors_files,
+)
 from nemotron_recipe.models.nemotron_v3.lora import (
+    PEFT_PREFIX,
     ExpertAdapters,
     LoRAEmbedding,
     LoRAError,
@@ -62,6 +66,9 @@ log = logging.getLogger(__name__)
 BASE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "nf4": torch.bfloat16}
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# The LoRA factors of the Mamba2 out_proj adapters, which the PEFT files carry merged (modules_to_save).
+OUT_PROJ_FACTORS = "out_proj_lora.safetensors"
+DRAWN_BASE = "base"  # an adapter's base that was drawn from a seed, exported beside it
 
 
 def lora_spec(cfg: Any) -> LoRASpec | None:
@@ -108,12 +115,8 @@ def peft_record(cfg: Any, spec: LoRASpec, base: dict[str, Any], targets: list[st
 
 
 def store_base(model: NemotronHForCausalLM, cfg: Any) -> None:
-    """The base in `peft.base_dtype`, the SSM terms and the router kept fp32 (a meta model too). An nf4
-    base is quantized whole before sharding (so every mesh holds the same bits): its weights are read
-    here, unsharded, from `model.pretrained`."""
+    """The base in `peft.base_dtype`, the SSM terms and the router kept fp32 (a meta model too)."""
     model.to(BASE_DTYPES[cfg.peft.base_dtype])
-    if cfg.peft.base_dtype == "nf4" and cfg.model.pretrained:
-        load_hf_sharded(model, cfg.model.pretrained, "cpu")
 
 
 def quantize_nf4_base(model: NemotronHForCausalLM, cfg: Any) -> None:
@@ -158,7 +161,10 @@ def read_peft_adapter(path: str | Path, model_cfg: NemotronHConfig, spec: LoRASp
             "peft.alpha to the adapter's."
         )
     projs = tuple(p.rsplit(".", 1)[-1] for p in config.get("target_parameters") or ())
-    values = from_peft(model_cfg, tensors, tuple(p for p in ("up_proj", "down_proj") if p in projs), spec.rank)
+    saved = list(config.get("modules_to_save") or ())
+    values = from_peft(model_cfg, tensors, tuple(p for p in ("up_proj", "down_proj") if p in projs), spec.rank,
+                       saved=saved)
+    values |= _out_proj_factors(path, saved)
     missing, unexpected = sorted(set(params) - set(values)), sorted(set(values) - set(params))
     bad = [(n, tuple(values[n].shape), tuple(params[n].shape)) for n in values if n in params
            and tuple(values[n].shape) != tuple(params[n].shape)]
@@ -171,11 +177,32 @@ def read_peft_adapter(path: str | Path, model_cfg: NemotronHConfig, spec: LoRASp
     return values
 
 
+def _out_proj_factors(path: Path, saved: list[str]) -> dict[str, torch.Tensor]:
+    """The LoRA factors of the modules an adapter carries as merged copies (`modules_to_save`), from
+    the file our export writes beside the PEFT files; a merged copy alone cannot start an adapter."""
+    from safetensors.torch import load_file
+
+    if not saved:
+        return {}
+    try:
+        factors = load_file(str(path / OUT_PROJ_FACTORS))
+    except (OSError, ValueError) as e:
+        raise LoRAError(
+            f"peft.init_from={str(path)!r}: the adapter carries {len(saved)} modules as full copies "
+            f"(modules_to_save: {saved[:2]}...) and {OUT_PROJ_FACTORS} with their LoRA factors is unreadable "
+            f"({type(e).__name__}: {e}). Fix: export it again with `python -m recipes.export`, or with "
+            "`--out-proj skip` and peft.target_modules without out_proj."
+        ) from None
+    missing = [n for n in saved if f"{n}.lora_A.weight" not in factors or f"{n}.lora_B.weight" not in factors]
+    if missing:
+        raise LoRAError(f"peft.init_from={str(path)!r}: {OUT_PROJ_FACTORS} lacks the factors of {missing[:4]}. "
+                        "Fix: export the adapter again with `python -m recipes.export`.")
+    return {n: v for n, v in factors.items() if n.rsplit(".", 2)[0] in saved}
+
+
 # ------------------------------------------------------------------------------- export
 def load_adapters(path: Path, meta: dict[str, Any]) -> tuple[NemotronHForCausalLM, dict[str, torch.Tensor]]:
     """The adapter values of a LoRA checkpoint, with the (storage-less) adapted model they belong to."""
-    from nemotron_recipe.training.hf_io import build_meta_model
-
     peft = meta["peft"]
     config = NemotronHConfig(**meta["model"])
     model = build_meta_model(config)
@@ -188,8 +215,11 @@ def load_adapters(path: Path, meta: dict[str, Any]) -> tuple[NemotronHForCausalL
     return model, values
 
 
-def load_base(meta: dict[str, Any], path: Path) -> NemotronHForCausalLM:
-    """The LoRA checkpoint's base, unsharded, as the run stored it; refused if its content changed."""
+def load_base(meta: dict[str, Any], path: Path, *, as_trained: bool = True) -> NemotronHForCausalLM:
+    """The LoRA checkpoint's base, unsharded; refused if its content changed. `as_trained`: in the
+    `peft.base_dtype` the run stored it in. Else in fp32, what exports merge into: a pretrained base
+    with its files' values (written back in their dtypes), a seed-drawn one with the values the run
+    trained on (stored in fp32, so that a merge does not round the adapters' part to bf16)."""
     base, config = meta["peft"]["base"], NemotronHConfig(**meta["model"])
     if "pretrained" in base:
         if not Path(base["pretrained"]).is_dir():
@@ -198,22 +228,27 @@ def load_base(meta: dict[str, Any], path: Path) -> NemotronHForCausalLM:
     else:
         torch.manual_seed(base["seed"])
         model = NemotronHForCausalLM(config)
-    model.to(BASE_DTYPES[base["dtype"]])
+    if as_trained or "pretrained" not in base:  # a drawn base exists only as the run stored it
+        model.to(BASE_DTYPES[base["dtype"]])
     got = _files_hash(base["pretrained"]) if "pretrained" in base else _state_hash(model)
     if got != base["hash"]:
         raise CheckpointError(
             f"{path}: its base ({base.get('pretrained') or 'preset ' + str(base.get('preset'))}) has changed since "
             f"training (hash {got}, trained on {base['hash']}). Fix: export with the base the adapters were trained on."
         )
-    return model
+    return model if as_trained else model.float()
 
 
-def merge_into(model: NemotronHForCausalLM, values: dict[str, torch.Tensor], spec: LoRASpec) -> None:
-    """Folds the adapters `values` (native names) into the base weights of `model`, in place."""
+def merge_into(model: NemotronHForCausalLM, values: dict[str, torch.Tensor], spec: LoRASpec,
+               unmerged: set[str] = frozenset()) -> None:
+    """Folds the adapters `values` (native names) into the base weights of `model`, in place; the
+    projections named in `unmerged` keep their base weights."""
     add_adapters(model, spec)
     with torch.no_grad():
         for name, module in list(model.named_modules()):
-            if isinstance(module, LoRALinear):
+            if isinstance(module, LoRALinear) and name in unmerged:
+                remove_linear_adapter(module)
+            elif isinstance(module, LoRALinear):
                 a, b = values[f"{name}.lora_A.weight"], values[f"{name}.lora_B.weight"]
                 module.weight.copy_(merged_weight(module.weight, a, b, spec.scaling))
                 remove_linear_adapter(module)
@@ -235,37 +270,72 @@ def _spec(meta: dict[str, Any]) -> LoRASpec:
     return LoRASpec(p["rank"], p["alpha"], p["dropout"], tuple(p["target_modules"]))
 
 
-def export_lora(path: Path, meta: dict[str, Any], *, merge: bool) -> Callable[[Path], None]:
+def export_lora(path: Path, meta: dict[str, Any], *, merge: bool, out_proj: str = "save") -> Callable[[Path], None]:
     """Loads a LoRA checkpoint (and its base where needed) and returns the function that writes it to a
     directory: a PEFT adapter, or with `merge` a Hugging Face model with the adapters folded in. Every
-    error is raised here, before anything is written."""
+    error is raised here, before anything is written.
+
+    Both merge into the base's own checkpoint values, so a PEFT-loaded adapter and the merged model
+    agree. `out_proj="skip"` leaves the Mamba2 out_proj adapters out (the adapter then needs no
+    `modules_to_save`); the merged model leaves them out too, so the two still agree."""
     model, values = load_adapters(path, meta)
     spec, config = _spec(meta), model.config
     bad = [n for n, t in values.items() if not bool(t.isfinite().all())]
     if bad:
         raise CheckpointError(f"{path}: non-finite values in {bad[:6]}; the run had diverged. Fix: export an "
                               "earlier checkpoint.")
-    if merge:
-        base = load_base(meta, path)
-        merge_into(base, values, spec)
-        return lambda out: base.save_pretrained(str(out))
     modules, params, saved = peft_targets(config, meta["peft"]["adapted"])
-    tensors = to_peft(config, values)
-    if saved:  # Mamba2 out_proj: a merged copy of the projection, which PEFT loads as a module to save
-        base = load_base(meta, path)
-        for name in saved:
-            weight = base.get_submodule(name).weight
-            merged = merged_weight(weight, values[f"{name}.lora_A.weight"], values[f"{name}.lora_B.weight"],
-                                   spec.scaling)
-            tensors[f"base_model.model.{name}.weight"] = merged.contiguous()
+    skipped = saved if out_proj == "skip" else []
+    if skipped:
+        values = {n: v for n, v in values.items() if n.rsplit(".", 2)[0] not in skipped}
+        log.warning("left out the adapters of %d Mamba2 out_proj projections (--out-proj skip)", len(skipped))
+        saved = []
     base_path = meta["peft"]["base"].get("pretrained")
-    return lambda out: write_peft_adapter(out, tensors, spec, modules, params, saved, base_path)
+    base = load_base(meta, path, as_trained=False) if merge or saved or base_path is None else None
+    if merge:
+        merge_into(base, values, spec, unmerged=set(skipped))
+        return lambda out: base.save_pretrained(str(out))
+    tensors = to_peft(config, values) | _saved_copies(base, values, saved, spec)
+    factors = {n: v.contiguous() for n, v in values.items() if n.rsplit(".", 2)[0] in saved}
+    _report_size(tensors, saved)
+    drawn = base if base_path is None else None
+    return lambda out: write_peft_adapter(out, tensors, spec, modules, params, saved, base_path, factors, drawn)
+
+
+def _saved_copies(base: NemotronHForCausalLM | None, values: dict[str, torch.Tensor], saved: list[str],
+                  spec: LoRASpec) -> dict[str, torch.Tensor]:
+    """The merged Mamba2 out_proj weights PEFT loads as modules to save, in the base's checkpoint dtypes:
+    PEFT refuses LoRA on that module of NemotronH (its CUDA kernels read the weight directly)."""
+    merged = {}
+    for name in saved:
+        weight = base.get_submodule(name).weight
+        merged[f"{name}.weight"] = merged_weight(weight, values[f"{name}.lora_A.weight"],
+                                                 values[f"{name}.lora_B.weight"], spec.scaling).contiguous()
+    merged = in_saved_dtypes(merged, base.config.weight_dtypes) if merged else merged
+    return {PEFT_PREFIX + name: value for name, value in merged.items()}
+
+
+def _report_size(tensors: dict[str, torch.Tensor], saved: list[str]) -> None:
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    copies = sum(t.numel() * t.element_size() for k, t in tensors.items() if k.endswith(".out_proj.weight"))
+    log.info("adapter: %.1f MiB, %.0f%% of it full copies of %d Mamba2 out_proj weights (modules_to_save)%s",
+             total / 2**20, 100 * copies / max(total, 1), len(saved),
+             "; `--out-proj skip` leaves them out for tools that cannot load modules_to_save" if saved else "")
 
 
 def write_peft_adapter(out: Path, tensors: dict[str, torch.Tensor], spec: LoRASpec, modules: list[str],
-                       params: list[str], saved: list[str], base_path: str | None) -> None:
+                       params: list[str], saved: list[str], base_path: str | None,
+                       out_proj_factors: dict[str, torch.Tensor] | None = None,
+                       drawn_base: NemotronHForCausalLM | None = None) -> None:
+    """adapter_config.json and adapter_model.safetensors; beside them the Mamba2 out_proj factors (which
+    PEFT ignores and `peft.init_from` reads back) and, for a base drawn from a seed, that base in
+    `base/`, which `base_model_name_or_path` then names."""
     from safetensors.torch import save_file
 
+    if drawn_base is not None:
+        drawn_base.save_pretrained(str(out / DRAWN_BASE))
+        base_path = str((out / DRAWN_BASE).resolve())
+        log.info("the base was drawn from a seed, not loaded: wrote it to %s", out / DRAWN_BASE)
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -284,4 +354,6 @@ def write_peft_adapter(out: Path, tensors: dict[str, torch.Tensor], spec: LoRASp
         "use_dora": False,
     }
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    if out_proj_factors:
+        save_file(out_proj_factors, str(out / OUT_PROJ_FACTORS), metadata={"format": "pt"})
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")

@@ -2,7 +2,7 @@
 
 from .checkpoint import CheckpointError
 from .config import PRESETS, ModelConfigError, NemotronHConfig
-from .model import CausalLMOutput, NemotronHForCausalLM
+from .model import CausalLMOutput, NemotronHForCausalLM, build_meta_model
 
 __all__ = [
     "PRESETS",
@@ -11,4 +11,5 @@ __all__ = [
     "ModelConfigError",
     "NemotronHConfig",
     "NemotronHForCausalLM",
+    "build_meta_model",
 ]

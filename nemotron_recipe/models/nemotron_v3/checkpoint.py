@@ -272,7 +272,7 @@ def mismatch_message(path: str, missing: list[str], unexpected: list[str]) -> st
     return message
 
 
-def _as_saved(state: dict[str, torch.Tensor], weight_dtypes: dict[str, str] | None) -> dict[str, torch.Tensor]:
+def in_saved_dtypes(state: dict[str, torch.Tensor], weight_dtypes: dict[str, str] | None) -> dict[str, torch.Tensor]:
     """Each floating tensor in the dtype its source checkpoint stored it in (when the model came from one)."""
     if not weight_dtypes:
         return state
@@ -289,7 +289,7 @@ def save_pretrained(model, path: str, max_shard_bytes: int = 4 << 30) -> None:
 
     os.makedirs(path, exist_ok=True)
     state = native_to_hf({k: v.detach().cpu() for k, v in model.state_dict().items()}, model.config)
-    state = _as_saved(state, model.config.weight_dtypes)
+    state = in_saved_dtypes(state, model.config.weight_dtypes)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for k, v in state.items():

@@ -13,10 +13,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from nemotron_recipe.distributed.context_parallel import (
     ContextParallel,
@@ -30,9 +29,6 @@ from nemotron_recipe.distributed.context_parallel import (
 )
 
 from .ops import causal_attention
-
-if TYPE_CHECKING:
-    from .model import Mamba2Mixer
 
 __all__ = ["check_mamba", "context_parallel_attention", "context_parallel_conv_and_scan"]
 
@@ -78,7 +74,7 @@ def check_mamba(heads: int, groups: int, cp: int) -> None:
 
 
 def context_parallel_conv_and_scan(
-    mixer: Mamba2Mixer, xbc: torch.Tensor, dt: torch.Tensor, cp: ContextParallel,
+    mixer: nn.Module, xbc: torch.Tensor, dt: torch.Tensor, cp: ContextParallel,
     document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The context-parallel twin of `Mamba2Mixer.conv_and_scan`: xbc [b,l,g,conv_group] and dt [b,l,g,r]
@@ -108,7 +104,7 @@ def context_parallel_conv_and_scan(
     return y.reshape(b, l, g, r * p)
 
 
-def _virtual_channels(mixer: Mamba2Mixer, rep: int, mine: slice,
+def _virtual_channels(mixer: nn.Module, rep: int, mine: slice,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Conv channels (of the rank's local, group-major conv weight) and heads of the virtual groups
     `mine`, as index tensors on `device` (made once, see `_virtual_indices`)."""

@@ -492,13 +492,17 @@ def to_peft(cfg: NemotronHConfig, values: dict[str, torch.Tensor]) -> dict[str, 
 
 
 def from_peft(cfg: NemotronHConfig, tensors: dict[str, torch.Tensor], expert_projs: tuple[str, ...],
-              rank: int) -> dict[str, torch.Tensor]:
+              rank: int, saved: Iterable[str] = ()) -> dict[str, torch.Tensor]:
     """PEFT adapter tensors (transformers' names) -> native adapter names and layouts; the inverse of
-    `to_peft`. `expert_projs`: the routed-expert parameters the adapter targets, in its order."""
+    `to_peft`. `expert_projs`: the routed-expert parameters the adapter targets, in its order. The
+    full copies of the modules in `saved` (the adapter's modules_to_save) are passed over."""
     out: dict[str, torch.Tensor] = {}
     expert_key = {}
+    copies = {f"{name}.weight" for name in saved}
     for key, value in tensors.items():
         name = key.removeprefix(PEFT_PREFIX)
+        if name in copies:
+            continue
         if name.endswith(EMBEDDING_FACTORS):
             module, _, factor = name.rpartition(".")
             out[f"{module}.lora.{factor}"] = value

@@ -614,3 +614,9 @@ class NemotronHForCausalLM(nn.Module):
         from .checkpoint import save_pretrained
 
         save_pretrained(self, path)
+
+
+def build_meta_model(config: NemotronHConfig) -> NemotronHForCausalLM:
+    """The model's structure without storage: parameters and buffers on the meta device."""
+    with torch.device("meta"):
+        return NemotronHForCausalLM(config)
