@@ -206,3 +206,29 @@ def test_nf4_lora_converges_like_the_bf16_base(tmp_path):
           f"nf4 base {nf4['first_val_loss']:.4f} -> {nf4['last_val_loss']:.4f}")
     assert nf4["last_val_loss"] <= 0.7 * nf4["first_val_loss"]  # it learns
     assert abs(nf4["last_val_loss"] - bf16["last_val_loss"]) <= 0.1 * bf16["last_val_loss"]
+
+
+def test_planner_counts_an_nf4_base_at_its_stored_bytes():
+    """The planner (a meta model: nothing is quantized) counts each base projection of an nf4 run at
+    what quantize_base really stores (the per-tensor mean aside), on each of 2 FSDP ranks."""
+    from nemotron_recipe.distributed.plan import ParallelPlan
+    from nemotron_recipe.models.nemotron_v3.lora import nf4_targets
+    from nemotron_recipe.models.nemotron_v3.nf4 import bytes_per_weight
+    from nemotron_recipe.training.planner.state import module_state
+    from nemotron_recipe.training.planner.world import Trainability, fake_world, sharded_meta_model
+
+    cfg = NemotronHConfig.from_preset("tiny")
+    plan = ParallelPlan(dp_shard=2)
+    with fake_world(2):
+        params = {nf4: module_state(sharded_meta_model(cfg, plan, plan.build_meshes("cpu"),
+                                                       Trainability(LoRASpec(), torch.bfloat16, False, nf4))).params
+                  for nf4 in (False, True)}
+    model = NemotronHForCausalLM(cfg).to(torch.bfloat16)
+    add_adapters(model, LoRASpec())
+    weights = dict(model.named_parameters())
+    targets = {n: weights[n].shape for n in nf4_targets(model)}
+    saved = sum(2 * s.numel() - s.numel() * bytes_per_weight(tuple(s)) for s in targets.values()) / 2
+    assert params[False] - params[True] == pytest.approx(saved, rel=1e-3)
+    quantize_base(model)
+    stored = sum(nf4_bytes(p) - 2 for n, p in model.named_parameters() if is_nf4(p))
+    assert stored == pytest.approx(sum(s.numel() * bytes_per_weight(tuple(s)) for s in targets.values()), rel=1e-9)

@@ -134,11 +134,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return _LinearNF4.apply(x, weight, bias)
 
 
-def bytes_per_weight(shape: tuple[int, ...]) -> float:
+def bytes_per_weight(shape: tuple[int, ...], factor_bytes: int = 2) -> float:
     """What an NF4 tensor of `shape` stores a weight: half a byte of code, an int8 scale per block,
-    an fp32 factor per group of scales (the per-tensor mean aside)."""
+    a factor per group of scales, in the dtype it was quantized from (bf16 for an nf4 base; the
+    per-tensor mean aside)."""
     rows, cols = math.prod(shape[:-1]), shape[-1]
-    return 0.5 + 1 / BLOCK + 4 / (BLOCK * _scaler_block(rows, cols))
+    return 0.5 + 1 / BLOCK + factor_bytes / (BLOCK * _scaler_block(rows, cols))
 
 
 def nf4_bytes(t: torch.Tensor) -> int:
