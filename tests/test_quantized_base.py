@@ -1,5 +1,5 @@
 """LoRA on a 4-bit NF4 base: the format against its definition, the GEMMs against the dequantized
-weights, refusals before any work, parity on FSDP2 (tests/distributed/nf4_worker.py) and convergence."""
+weights, refusals before any work, parity on FSDP2 (tests/distributed/nf4_worker.py) and the planner's bytes."""
 
 from __future__ import annotations
 
@@ -195,19 +195,6 @@ def test_nf4_lora_curves_on_fsdp2_match_one_process(tmp_path):
         assert r["nf4_bytes"] * 2 == r["ref_nf4_bytes"]
 
 
-def test_nf4_lora_converges_like_the_bf16_base(tmp_path):
-    """30 LoRA steps on the tiny preset (shipped SFT data and validation set): on the NF4 base the
-    validation loss ends within 10% of the bf16 base's."""
-    settings = ["peft=lora", "trainer.max_steps=30", "optim.lr=3e-3", "optim.warmup_steps=10",
-                "data.val_max_batches=8", "checkpoint.save_final=false"]
-    bf16 = _run(tmp_path / "bf16", *settings, "peft.base_dtype=bf16")
-    nf4 = _run(tmp_path / "nf4", *settings, "peft.base_dtype=nf4")
-    print(f"30 LoRA steps: validation loss bf16 base {bf16['first_val_loss']:.4f} -> {bf16['last_val_loss']:.4f}, "
-          f"nf4 base {nf4['first_val_loss']:.4f} -> {nf4['last_val_loss']:.4f}")
-    assert nf4["last_val_loss"] <= 0.7 * nf4["first_val_loss"]  # it learns
-    assert abs(nf4["last_val_loss"] - bf16["last_val_loss"]) <= 0.1 * bf16["last_val_loss"]
-
-
 def test_planner_counts_an_nf4_base_at_its_stored_bytes():
     """The planner (a meta model: nothing is quantized) counts each base projection of an nf4 run at
     what quantize_base really stores (the per-tensor mean aside), on each of 2 FSDP ranks."""
@@ -215,7 +202,11 @@ def test_planner_counts_an_nf4_base_at_its_stored_bytes():
     from nemotron_recipe.models.nemotron_v3.lora import nf4_targets
     from nemotron_recipe.models.nemotron_v3.nf4 import bytes_per_weight
     from nemotron_recipe.training.planner.state import module_state
-    from nemotron_recipe.training.planner.world import Trainability, fake_world, sharded_meta_model
+    from nemotron_recipe.training.planner.world import (
+        Trainability,
+        fake_world,
+        sharded_meta_model,
+    )
 
     cfg = NemotronHConfig.from_preset("tiny")
     plan = ParallelPlan(dp_shard=2)
