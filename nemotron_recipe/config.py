@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -19,10 +21,12 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
+from nemotron_recipe.config_keys import unknown_key_problems
 from nemotron_recipe.distributed.env import launched_world_size
 from nemotron_recipe.distributed.plan import ParallelConfigError, ParallelPlan, check_experts_split
 from nemotron_recipe.models.nemotron_v3.checkpoint import CheckpointError, checkpoint_weight_dtypes, weight_file_problem
-from nemotron_recipe.models.nemotron_v3.config import ModelConfigError, NemotronHConfig
+from nemotron_recipe.models.hub import resolve_pretrained
+from nemotron_recipe.models.nemotron_v3.config import PRESET_LR, ModelConfigError, NemotronHConfig, matching_preset
 from nemotron_recipe.models.nemotron_v3.lora import DEFAULT_TARGETS, LoRAError, lora_spec_problem
 from nemotron_recipe.models.nemotron_v3.nf4 import nf4_problems
 
@@ -30,6 +34,8 @@ WANDB_MODES = ("disabled", "offline", "online")
 DEVICES = ("auto", "cpu", "cuda")
 NONFINITE_MODES = ("stop", "skip")
 PREFLIGHT_MODES = (True, False, "warn")
+
+log = logging.getLogger(__name__)
 
 # Shipped with the package, next to the data layer that documents their format.
 ASSETS_DIR = Path(__file__).resolve().parent / "data" / "assets"
@@ -104,7 +110,7 @@ def _make_model_config_class() -> type:
     cls.__module__ = __name__
     cls.__doc__ = (
         "Which model to build: `preset` (a name in PRESETS) or `pretrained` (a Hugging Face checkpoint "
-        "directory, which takes precedence), with any non-None field overriding that base config."
+        "directory or hub id, which takes precedence), with any non-None field overriding that base config."
     )
     return cls
 
@@ -173,6 +179,8 @@ class DataConfig:
     val_split_fraction: float = 0.0  # with val_file null: hold out this fraction of training rows (by seed)
     prompt_key: str = "prompt"
     response_key: str = "response"
+    chosen_key: str = "chosen"  # data.format=preference: the preferred response (string or one assistant turn)
+    rejected_key: str = "rejected"  # ... and the dispreferred one
     messages_key: Optional[str] = None  # chat rows: a list of {role, content} turns; replaces prompt/response
     role_key: str = "role"
     content_key: str = "content"
@@ -193,7 +201,9 @@ class DataConfig:
 class OptimConfig:
     """AdamW with linear warmup, then cosine decay to `lr * min_lr_ratio` at `trainer.max_steps`."""
 
-    lr: float = 3e-3
+    # None: the model's own (PRESET_LR: its preset's, or that of the released model a checkpoint has the shapes
+    # of), for full fine-tuning or for LoRA as peft.method says; the run logs which.
+    lr: Optional[float] = None
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
@@ -249,6 +259,24 @@ class CheckpointConfig:
     export_hf: bool = False
 
 
+OBJECTIVES = ("sft", "dpo")
+
+
+@dataclass
+class ObjectiveConfig:
+    """What a step optimizes (docs/dpo.md). `sft`: next-token cross-entropy. `dpo`: direct preference
+    optimization over `data.format=preference` pairs: `beta`, `loss` (sigmoid | ipo) with
+    `label_smoothing`, `sft_weight` (an NLL term on the chosen responses) and `reference` (base | copy |
+    precomputed); the DPO keys are ignored under `sft`."""
+
+    name: str = "sft"
+    beta: float = 0.1
+    loss: str = "sigmoid"
+    label_smoothing: float = 0.0
+    sft_weight: float = 0.0
+    reference: str = "base"
+
+
 PEFT_METHODS = ("none", "lora")
 BASE_DTYPE_NAMES = ("bf16", "fp32", "nf4")
 
@@ -267,6 +295,20 @@ class PeftConfig:
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     base_dtype: str = "bf16"
     init_from: Optional[str] = None
+
+
+@dataclass
+class EvalConfig:
+    """lm-eval tasks (as `recipes.evaluate` runs them) evaluated on the final checkpoint at the end of
+    training; their metrics go to metrics.jsonl, the summary and wandb. `limit`: at most this many
+    examples per task (None: all). `samples`: prompts (each a user turn in the training chat format)
+    continued greedily for `sample_tokens` tokens at each validation, under the training mesh, and written
+    to samples.jsonl; null: the first two prompts of the validation set; []: none."""
+
+    tasks: list[str] = field(default_factory=list)
+    limit: Optional[int] = None
+    samples: Optional[list[str]] = None
+    sample_tokens: int = 32  # 0: no samples
 
 
 @dataclass
@@ -300,6 +342,8 @@ class FinetuneConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     seed: int = 1234
     run_dir: str = "${hydra:runtime.output_dir}"
@@ -365,6 +409,10 @@ def _check_path(errors: list[str], name: str, value: Optional[str], *, allow_dir
 def _positive(errors: list[str], name: str, value: Any, *, allow_zero: bool = False) -> None:
     if value is None:
         return
+    if not math.isfinite(value):  # nan passes every comparison below, inf every lower bound
+        errors.append(f"{name}={value!r}: must be a finite number. Fix: set a finite value (null where the field "
+                      "allows it turns it off).")
+        return
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
         errors.append(f"{name}={value!r}: must be {bound}. Fix: set a value {bound}.")
@@ -416,7 +464,7 @@ def _parallel_problems(cfg: Any, world_size: int | None = None) -> tuple[Paralle
     return plan, []
 
 
-def _input_problems(cfg: Any) -> list[str]:
+def _input_problems(cfg: Any, weights: bool = True) -> list[str]:
     """Data, tokenizer, run directory and pretrained weights."""
     # Imported here: the data layer pulls in transformers and datasets, which composing a config should not.
     from nemotron_recipe.data.sources import check_data_config
@@ -431,30 +479,62 @@ def _input_problems(cfg: Any) -> list[str]:
             "run_dir: cannot be resolved. It defaults to Hydra's output directory, which exists only in "
             "a run launched through Hydra. Fix: set run_dir explicitly."
         )
-    if cfg.model.pretrained and (problem := weight_file_problem(Path(cfg.model.pretrained).expanduser())):
+    if weights and cfg.model.pretrained and (problem := weight_file_problem(Path(cfg.model.pretrained).expanduser())):
         errors.append(f"model.pretrained={cfg.model.pretrained!r}: {problem}")
     return errors
 
 
-def validate_config(cfg: Any, world_size: int | None = None) -> tuple[NemotronHConfig, ParallelPlan]:
+def validate_config(cfg: Any, world_size: int | None = None, *,
+                    weights: bool = True) -> tuple[NemotronHConfig, ParallelPlan]:
     """Check everything that can be checked before any process group, data or model exists.
 
     Raises `ConfigError` listing every problem at once (or `ModelConfigError` for the model), so
     every rank fails identically and early. Returns the model config and the parallel plan (for the
     world size the launcher set, or `world_size` for a launch being planned), which it had to build anyway.
+
+    Fills in what the config leaves to the model: a hub id in `model.pretrained` becomes its local
+    snapshot (downloaded; with `weights=False`, for planning, its config.json alone) and a null
+    `optim.lr` the model's own learning rate.
     """
+    if unknown := unknown_key_problems(cfg):  # nothing else is worth checking in a config nothing reads right
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(unknown))
+    if cfg.model.pretrained:
+        cfg.model.pretrained = resolve_pretrained(cfg.model.pretrained, config_only=not weights)
     errors = _trainer_problems(cfg.trainer, cfg.checkpoint) + _optim_problems(cfg.optim)
     plan, parallel_errors = _parallel_problems(cfg, world_size)
     errors += parallel_errors
     _check_choice(errors, "logger.wandb.mode", cfg.logger.wandb.mode, WANDB_MODES)
-    errors += _input_problems(cfg)
+    errors += _input_problems(cfg, weights)
     errors += _peft_problems(cfg)
+    errors += _objective_problems(cfg)
+    errors += _eval_problems(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     model_config = build_model_config(cfg.model)
     if problems := _moe_problems(cfg, model_config, plan):
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
+    if cfg.optim.lr is None:
+        cfg.optim.lr, source = model_lr(cfg, model_config)
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank takes the same rate; one says so
+            log.info("optim.lr=%g: %s (set optim.lr to choose another)", cfg.optim.lr, source)
     return model_config, plan
+
+
+def model_lr(cfg: Any, model_config: NemotronHConfig) -> tuple[float, str]:
+    """The peak learning rate the model is fine-tuned with by default, and where it comes from: the
+    preset's, or for a checkpoint that of the released model whose shapes it has (else the preset's)."""
+    lora = getattr(cfg, "peft", None) is not None and cfg.peft.method == "lora"
+    kind = "LoRA" if lora else "full fine-tuning"
+    name, note = cfg.model.preset, ""
+    if cfg.model.pretrained:
+        if (match := matching_preset(model_config)) is not None:
+            name = match
+        else:
+            note = f"; model.pretrained has none of the released shapes, so preset {name}'s"
+    if name not in PRESET_LR:
+        raise ConfigError(f"optim.lr=null: preset {name!r} has no learning rate of its own. Fix: set optim.lr.")
+    lr = PRESET_LR[name].lora if lora else PRESET_LR[name].full
+    return lr, f"{name}'s {kind} learning rate (PRESET_LR in nemotron_recipe/models/nemotron_v3/config.py){note}"
 
 
 def _moe_problems(cfg: Any, model_config: NemotronHConfig, plan: ParallelPlan) -> list[str]:
@@ -512,6 +592,84 @@ def _peft_problems(cfg: Any) -> list[str]:
     except (ModelConfigError, LoRAError) as e:
         problem = str(e)
     return [problem] if problem else []
+
+
+def _objective_problems(cfg: Any) -> list[str]:
+    """The `objective` group, and what DPO needs of the data, the adapters and the trainer."""
+    o, errors = cfg.objective, []
+    _check_choice(errors, "objective.name", o.name, OBJECTIVES)
+    preference = cfg.data.format == "preference"
+    if o.name == "sft":
+        if preference:
+            errors.append("data.format=preference: preference pairs train with DPO. Fix: objective=dpo, or point "
+                          "data.train_file at prompt/response rows with data.format=null.")
+        return errors
+    if o.name != "dpo":
+        return errors
+    from nemotron_recipe.training.objectives.dpo_loss import DPO_LOSSES
+    from nemotron_recipe.training.objectives.reference import REFERENCES
+
+    _check_choice(errors, "objective.loss", o.loss, DPO_LOSSES)
+    _check_choice(errors, "objective.reference", o.reference, REFERENCES)
+    _positive(errors, "objective.beta", o.beta)
+    _positive(errors, "objective.sft_weight", o.sft_weight, allow_zero=True)
+    if not 0.0 <= o.label_smoothing < 0.5:
+        errors.append(f"objective.label_smoothing={o.label_smoothing}: must lie in [0, 0.5). Fix: e.g. 0.1, or 0.")
+    if not preference:
+        errors.append(f"objective=dpo with data.format={cfg.data.format!r}: DPO trains on preference pairs. Fix: "
+                      "data.format=preference, with prompt/chosen/rejected in each row.")
+    lora = cfg.peft.method == "lora"
+    if o.reference == "base" and not lora:
+        errors.append("objective.reference=base without LoRA (peft.method=none): the base reference is the model "
+                      "with its adapters switched off, and full fine-tuning has none. Fix: objective.reference=copy "
+                      "(a frozen copy of the starting weights), objective.reference=precomputed, or peft=lora.")
+    if o.reference == "base" and cfg.moe.bias_update_rate:
+        errors.append(f"objective.reference=base with moe.bias_update_rate={cfg.moe.bias_update_rate}: the routers' "
+                      "correction biases are shared with the base and would move the reference. Fix: "
+                      "objective.reference=copy or precomputed, or moe.bias_update_rate=0.")
+    if o.reference == "copy" and lora and cfg.peft.init_from:
+        errors.append("objective.reference=copy with peft.init_from: the copy holds the base without adapters, not "
+                      "the starting adapters. Fix: objective.reference=precomputed (the starting policy's log-probs).")
+    if cfg.data.packing:
+        errors.append("data.packing=true with objective=dpo: a pair's halves are whole sequences of one micro-batch. "
+                      "Fix: data.packing=false.")
+    if cfg.trainer.loss_chunk_size:
+        errors.append(f"trainer.loss_chunk_size={cfg.trainer.loss_chunk_size} with objective=dpo: DPO needs each "
+                      "sequence's log-probs, which the chunked loss does not give. Fix: trainer.loss_chunk_size=null.")
+    if cfg.data.messages_key is not None:
+        errors.append(f"data.messages_key={cfg.data.messages_key!r} with objective=dpo: preference rows hold "
+                      "data.prompt_key/chosen_key/rejected_key. Fix: data.messages_key=null.")
+    return errors
+
+
+def _eval_problems(cfg: Any) -> list[str]:
+    """`eval.samples` and `eval.sample_tokens`; `eval.tasks` must name tasks lm-eval can run here (checked
+    now: the run would find out only after training), on a final checkpoint the run saves."""
+    e = getattr(cfg, "eval", None)
+    if e is None:
+        return []
+    errors: list[str] = []
+    _positive(errors, "eval.sample_tokens", e.sample_tokens, allow_zero=True)
+    for i, text in enumerate(e.samples or []):
+        if not str(text).strip():
+            errors.append(f"eval.samples[{i}]={text!r}: an empty prompt. Fix: give it words, or remove it.")
+    if not e.tasks:
+        return errors
+    _positive(errors, "eval.limit", e.limit)
+    if not cfg.checkpoint.save_final:
+        errors.append(f"eval.tasks={list(e.tasks)}: they run on the final checkpoint, and checkpoint.save_final=false "
+                      "saves none. Fix: checkpoint.save_final=true, or eval.tasks=[] (then `python -m recipes.evaluate` "
+                      "evaluates any checkpoint later).")
+    # Imported here: lm-eval is optional, and composing a config without eval.tasks must not need it.
+    from nemotron_recipe.evaluation.tasks import EvalError, check_tasks, prepare_network, require_lm_eval, task_manager
+
+    try:
+        require_lm_eval()
+        offline = prepare_network(e.tasks)
+        check_tasks(task_manager(list(e.tasks)), list(e.tasks), offline=offline)
+    except EvalError as err:
+        errors.append(f"eval.tasks={list(e.tasks)}: {str(err).replace('--tasks: ', '')}")
+    return errors
 
 
 def _method_problems(p: Any) -> list[str]:

@@ -44,5 +44,12 @@ def _only_rank0_writes_hydra_files(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from nemotron_recipe.config import FinetuneConfig
+    from recipes.cli import HELP_FLAGS, check_override_keys, print_help
+
+    check_override_keys(sys.argv[1:], FinetuneConfig)
+    if any(a in HELP_FLAGS for a in sys.argv[1:]):
+        print_help(sys.argv[1:], "finetune", "finetune")
+        sys.exit(0)
     _only_rank0_writes_hydra_files(sys.argv)
     main()

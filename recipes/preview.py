@@ -88,4 +88,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from recipes.cli import check_override_keys
+
+    check_override_keys(sys.argv[1:], PreviewEntryConfig)
     main()

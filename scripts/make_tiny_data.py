@@ -1,4 +1,5 @@
-"""Generate the tiny synthetic SFT dataset and tokenizer shipped in ``nemotron_recipe/data/assets``.
+"""Generate the tiny synthetic SFT and preference (DPO) data sets and the tokenizer shipped in
+``nemotron_recipe/data/assets``.
 
 The data exists so that the whole stack (data, model, parallelism, training loop) can be
 exercised end to end on a laptop CPU: a ~2M-parameter model must be able to drive the
@@ -117,6 +118,44 @@ def generate_rows(rng: random.Random, n: int, exclude_prompts: frozenset[str] = 
     return rows
 
 
+# Preference pairs (DPO): the chosen response is the task's answer, the rejected one a plausible wrong
+# answer or, for a third of the pairs, a lazy one. Drawn from their own stream so the SFT files and
+# the tokenizer do not depend on them.
+PREFERENCE_SEED = SEED + 1
+NUM_PREF_TRAIN = 512
+NUM_PREF_VAL = 64
+LAZY_ANSWERS = ["I do not know.", "I cannot do that.", "No idea."]
+
+
+def _wrong_answer(rng: random.Random, prompt: str, answer: str) -> str:
+    """A wrong answer of the task `prompt` asks, different from `answer`."""
+    words = prompt.split(": ", 1)[-1].split()
+    if prompt.startswith(("Reverse", "Sort")):
+        wrong = " ".join(words)  # the input unchanged
+    elif prompt.startswith("Repeat"):
+        wrong = " ".join(reversed(words))
+    elif prompt.startswith("Add"):
+        head, total = answer.rsplit(" = ", 1)
+        wrong = f"{head} = {int(total[:-1]) + rng.choice([-3, -2, -1, 1, 2, 3])}."
+    elif prompt.startswith("Count"):
+        wrong = f"There are {len(words) + rng.choice([-2, -1, 1, 2])} words."
+    elif prompt.startswith("What colour"):
+        thing = prompt.removeprefix("What colour is the ").removesuffix("?")
+        wrong = f"The {thing} is {rng.choice(sorted(set(COLOURS.values()) - {COLOURS[thing]}))}."
+    else:
+        word = prompt.removeprefix("What is the opposite of ").removesuffix("?")
+        wrong = f"The opposite of {word} is {word}."
+    return wrong if wrong != answer else rng.choice(LAZY_ANSWERS)
+
+
+def generate_pairs(rng: random.Random, n: int, exclude_prompts: frozenset[str] = frozenset()) -> list[dict[str, str]]:
+    pairs = []
+    for row in generate_rows(rng, n, exclude_prompts):
+        lazy = rng.random() < 1 / 3
+        rejected = rng.choice(LAZY_ANSWERS) if lazy else _wrong_answer(rng, row["prompt"], row["response"])
+        pairs.append({"prompt": row["prompt"], "chosen": row["response"], "rejected": rejected})
+    return pairs
+
 REASONING_SEED = 20251215
 NUM_REASONING_TRAIN = 400
 NUM_REASONING_VAL = 40
@@ -220,6 +259,13 @@ def main(argv: list[str] | None = None) -> None:
     save_hf_tokenizer(train_tokenizer(texts), out)
     print(f"wrote {len(train)} train / {len(val)} val rows, {NUM_REASONING_TRAIN} / {NUM_REASONING_VAL} rows with "
           f"reasoning traces and a {VOCAB_SIZE}-token tokenizer to {out}")
+
+    pref_rng = random.Random(PREFERENCE_SEED)
+    pref_train = generate_pairs(pref_rng, NUM_PREF_TRAIN)
+    pref_val = generate_pairs(pref_rng, NUM_PREF_VAL, exclude_prompts=frozenset(row["prompt"] for row in pref_train))
+    write_jsonl(out / "tiny_dpo_train.jsonl", pref_train)
+    write_jsonl(out / "tiny_dpo_val.jsonl", pref_val)
+    print(f"wrote {len(pref_train)} train / {len(pref_val)} val preference pairs to {out}")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ RUN_BASE = [
     "data.val_max_batches=1",
     "logger.console.progress_bar=false",
     "trainer.preflight=false",
+    # Two tokens: every run still samples at each validation on its mesh, at the cost of two forwards.
+    "eval.sample_tokens=2",
 ]
 PREFLIGHT_ON = "trainer.preflight=true"
 # A model of every block kind that runs and compiles in seconds: two heads of each kind, so head

@@ -25,7 +25,12 @@ def test_dispatch_and_combine_match_every_expert_on_every_rank(tmp_path, ranks):
     assert proc.returncode == 0, proc.stderr[-6000:]
     results = json.loads(out.read_text())["ranks"]
     assert [r["up_shape"][0] for r in results] == [8 // ranks] * ranks
-    assert [r["tokens"] for r in results] == [3 * r for r in range(ranks)]
+    assert [r["tokens"] for r in results] == [5 + 3 * r for r in range(ranks)]
+    # Every rank sends rows to every rank and receives rows from every rank, and the received rows are
+    # reordered (source-major to expert-major) on every rank: a wrong reordering cannot pass unseen.
+    for r in results:
+        assert min(r["send_splits"]) > 0 and min(r["recv_splits"]) > 0, r
+        assert r["reordered"], r
     for r, rank in enumerate(results):
         for key in ("out", "x_grad", "up_grad", "down_grad"):
             assert rank[key] < 1e-6, (r, key, rank[key])

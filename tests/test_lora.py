@@ -526,3 +526,71 @@ def test_routed_expert_adapters_of_a_rank_below_16_bytes_run_the_grouped_gemm(dt
     grouped = adapter(out, rows, torch.tensor(counts).cumsum(0).to(torch.int32))
     torch.testing.assert_close(grouped, adapter(out, rows, counts))
     assert grouped.abs().max() > 0
+
+
+def _peft_reference(kind: str, shape: tuple[int, ...], rank: int, alpha: float, draws: int = 8):
+    """peft's initial (A, B) for a base of `shape`, and its random factor's values pooled over `draws`
+    initialisations: a Linear [out, in], an Embedding [vocab, hidden] or a stacked expert parameter."""
+    import peft
+    from peft.tuners.lora import layer as peft_layer
+
+    holder = torch.nn.Module()
+    if kind == "linear":
+        holder.base = torch.nn.Linear(shape[1], shape[0], bias=False)
+        config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=["base"])
+    elif kind == "embedding":
+        holder.base = torch.nn.Embedding(*shape)
+        config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=["base"])
+    else:
+        holder.base = torch.nn.Module()
+        holder.base.weight = torch.nn.Parameter(torch.zeros(shape))
+        config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=[], target_parameters=["base.weight"])
+    layer = next(m for m in peft.get_peft_model(holder, config).modules() if isinstance(m, peft_layer.LoraLayer))
+    if kind == "embedding":
+        factors = lambda: (layer.lora_embedding_A["default"], layer.lora_embedding_B["default"])  # noqa: E731
+    else:
+        factors = lambda: (layer.lora_A["default"].weight, layer.lora_B["default"].weight)  # noqa: E731
+    a, b = (t.detach().clone() for t in factors())
+    pooled = []
+    for _ in range(draws):
+        layer.reset_lora_parameters("default", True)
+        pooled.append(factors()[1 if kind == "embedding" else 0].detach().flatten().clone())
+    return a, b, torch.cat(pooled)
+
+
+def test_adapters_start_from_peft_initialisation_on_the_same_shapes():
+    """Each adapter's initial values against peft's on the same base shapes: the zero factor is zero in
+    both, and the random one (A of a projection or expert weight, B of the embedding) has peft's bound and
+    spread. A factor drawn at another scale (1/in instead of 1/sqrt(in), say) fails here."""
+    from nemotron_recipe.models.nemotron_v3.lora import ExpertLoRA, LoRAEmbedding, LoRALinear, initial_values
+
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(NemotronHConfig(**{**SMALL_DIMS, "pattern": "M*-E", "hidden_size": 64}))
+    spec = LoRASpec(8, 16.0, 0.0, ("*.in_proj", "*.out_proj", "*.q_proj", "*.o_proj", "*.up_proj", "*.down_proj",
+                                   "*.experts.up_proj", "*.experts.down_proj", "model.embeddings", "lm_head"))
+    add_adapters(model, spec)
+    values = initial_values(model, seed=3)
+    checked = set()
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            kind, shape, a_name, b_name = "linear", tuple(module.weight.shape), "lora_A.weight", "lora_B.weight"
+        elif isinstance(module, LoRAEmbedding):
+            kind, shape, a_name, b_name = "embedding", tuple(module.weight.shape), "lora.lora_embedding_A", \
+                "lora.lora_embedding_B"
+        elif isinstance(module, ExpertLoRA):
+            kind, shape, a_name, b_name = "experts", (module.A.shape[0], module.B.shape[1], module.A.shape[2]), "A", "B"
+        else:
+            continue
+        ours_a, ours_b = values[f"{name}.{a_name}"], values[f"{name}.{b_name}"]
+        ref_a, ref_b, pooled = _peft_reference(kind, shape, spec.rank, spec.alpha)
+        assert ours_a.numel() == ref_a.numel() and ours_b.numel() == ref_b.numel(), name
+        zero, drawn = (ours_a, ours_b) if kind == "embedding" else (ours_b, ours_a)
+        assert not zero.any() and not (ref_a if kind == "embedding" else ref_b).any(), name
+        # Spread within 15% (at least 256 draws each: about 5 standard errors); for the uniform A, every
+        # value inside peft's bound and the largest near it.
+        assert abs(drawn.std().item() / pooled.std().item() - 1) < 0.15, (name, drawn.std(), pooled.std())
+        if kind != "embedding":
+            bound = pooled.abs().max().item()
+            assert 0.9 * bound < drawn.abs().max().item() <= bound * 1.001, (name, drawn.abs().max(), bound)
+        checked.add(kind)
+    assert checked == {"linear", "embedding", "experts"}

@@ -18,13 +18,14 @@ import wandb
 
 from nemotron_recipe.config import ConfigError, validate_config
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
-from nemotron_recipe.models.nemotron_v3.model import sequence_balance_loss
+from nemotron_recipe.models.nemotron_v3 import model as model_module
+from nemotron_recipe.models.nemotron_v3.model import MoE, sequence_balance_loss
 from nemotron_recipe.training import logging as logging_module
 from nemotron_recipe.training.finetune import run
 from nemotron_recipe.training.hf_io import load_checkpoint_model
 from nemotron_recipe.training.moe_balance import RouterBalance
 
-from helpers import PREFLIGHT_ON, RUN_BASE, compose_run, metrics_rows
+from helpers import PREFLIGHT_ON, RUN_BASE, SMALL_DIMS, compose_run, metrics_rows
 
 
 def _model() -> NemotronHForCausalLM:
@@ -180,13 +181,44 @@ def test_bias_updates_bring_a_skewed_load_down(tmp_path):
     assert imbalance[0.01][1] < 0.85 * imbalance[0.0][1], imbalance
 
 
+def _track_margins(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Records each training MoE forward's smallest top-k margin over real tokens: the k-th minus the
+    (k+1)-th biased router score, how close the token's choice of experts is to a tie."""
+    margins: list[float] = []
+    original = MoE.forward
+
+    def forward(self, hidden, token_mask=None):
+        if self.training and torch.is_grad_enabled():
+            with torch.no_grad():
+                scores, _, _ = self.gate(hidden.flatten(0, -2))
+                biased = scores + model_module.local(self.gate.e_score_correction_bias)
+                top = biased.topk(self.gate.top_k + 1, dim=-1).values
+                margin = top[:, -2] - top[:, -1]
+                if token_mask is not None:
+                    margin = margin[token_mask.flatten()]
+                if margin.numel():
+                    margins.append(margin.min().item())
+        return original(self, hidden, token_mask)
+
+    monkeypatch.setattr(MoE, "forward", forward)
+    return margins
+
+
 @pytest.mark.distributed
-def test_expert_parallel_run_matches_one_process_and_resumes_on_one(tmp_path):
+def test_expert_parallel_run_matches_one_process_and_resumes_on_one(tmp_path, monkeypatch):
     """10 steps at ep 2 on 2 ranks, then 10 more resumed on one process, against 20 straight steps on
-    one process: the same losses, gradient norms and correction biases."""
-    # Routing is discrete: a rate whose bias steps leave no expert pair within rounding of a tie here.
+    one process: the same losses, gradient norms and correction biases.
+
+    Routing is discrete, so this holds over a horizon in which no token comes within rounding of a tie
+    between its k-th and (k+1)-th expert (docs/moe-routing.md): the layouts' router scores differ by up
+    to about 2e-6 by step 20, and the one-process run's smallest margin must stay above 1e-5."""
     common = [*SHORT, "trainer.max_steps=20", "checkpoint.every=10", "moe.bias_update_rate=0.02"]
+    margins = _track_margins(monkeypatch)
     run(compose_run(tmp_path / "straight", *common))
+    monkeypatch.undo()
+    assert min(margins) > 1e-5, (f"a token came within {min(margins):.1e} of a routing tie within the compared "
+                                 "steps: layouts may route it differently and part; shorten the horizon or change "
+                                 "the data (docs/moe-routing.md)")
     split = tmp_path / "split"
     expert_parallel_run(split, *common, "trainer.stop_at_step=10", PREFLIGHT_ON)  # planned at ep 2 too
     assert json.loads((split / "summary.json").read_text())["mesh"]["ep"] == 2
@@ -286,3 +318,33 @@ def test_expert_loads_reach_wandb_as_one_histogram_per_moe_block(tmp_path, monke
     (name, (counts, bins)), = loads[0][0].items()  # the tiny preset has one MoE block
     assert name == "moe/expert_load/block_0" and bins == list(range(9)) and len(counts) == 8
     assert sum(counts) > 0
+
+
+def test_the_balance_loss_leaves_the_mtp_layers_moe_blocks_alone():
+    """With MTP layers holding MoE blocks, `moe.aux_loss_coeff` weighs the decoder's MoE blocks only: the MTP
+    layers' gradients are exactly those without the balance loss, the decoder routers' are not, and the
+    metric sums the decoder blocks' losses alone."""
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    grads, blocks = [], {}
+    for coeff in (0.0, 0.5):
+        torch.manual_seed(0)
+        model = NemotronHForCausalLM(NemotronHConfig(**{**SMALL_DIMS, "pattern": "EME", "num_nextn_predict_layers": 1,
+                                                        "mtp_pattern": "*E", "mtp_loss_scale": 0.3})).train()
+        balance = RouterBalance(model, None, 0.0, aux_loss_coeff=coeff, sequences_per_step=2)
+        mtp_blocks = [m for m in model.mtp.modules() if m in balance.blocks]
+        assert len(balance.blocks) == 3 and len(mtp_blocks) == 1  # two decoder blocks, one MTP block
+        model(ids, labels=ids).loss.backward()
+        balance.after_micro_batch()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        blocks[coeff] = (balance, mtp_blocks[0])
+    balance, mtp_block = blocks[0.5]
+    assert mtp_block.balance_loss_weight == 0.0 and mtp_block.balance_loss is None
+    assert [b.balance_loss_weight for b in balance.aux_blocks] == [0.25, 0.25] and mtp_block not in balance.aux_blocks
+    without, with_aux = grads
+    mtp_names = [n for n in without if n.startswith("mtp.")]
+    assert mtp_names and any("gate" in n for n in mtp_names)
+    for name in mtp_names:
+        assert torch.equal(with_aux[name], without[name]), name
+    assert not torch.equal(with_aux["model.layers.0.mixer.gate.weight"], without["model.layers.0.mixer.gate.weight"])
+    decoder_sum = sum(b.balance_loss for b in balance.aux_blocks).item()
+    assert balance.after_step(taken=True)["moe_aux_loss"] == pytest.approx(0.25 * decoder_sum, rel=1e-6)

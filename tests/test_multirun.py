@@ -1,4 +1,5 @@
-"""Hydra sweeps (`-m`): one job directory per point, in one sweep directory, alone and under torchrun."""
+"""Hydra sweeps (`-m`): one job directory per point, in one sweep directory, alone and under torchrun;
+the sweep ends with sweep.png and a table of the jobs' final figures."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ SWEEP = [
     "trainer.val_every=0",
     "data.val_max_batches=1",
     "logger.console.progress_bar=false",
+    "eval.sample_tokens=2",
 ]
 
 
@@ -35,7 +37,7 @@ def launch(cwd: Path, *prefix: str) -> subprocess.CompletedProcess:
     )
 
 
-def check_sweep(root: Path, world_size: int) -> None:
+def check_sweep(root: Path, world_size: int, stdout: str) -> None:
     sweeps = list((root / "multirun").glob("*/*"))
     assert len(sweeps) == 1, sweeps
     jobs = sorted(p for p in sweeps[0].iterdir() if p.is_dir())
@@ -49,13 +51,22 @@ def check_sweep(root: Path, world_size: int) -> None:
         # One writer per job: step 1 and step 3 are logged once each, whatever the world size.
         assert [r["step"] for r in rows if "loss" in r] == [1, 3]
         lrs.append(yaml.safe_load((job / ".hydra" / "config.yaml").read_text())["optim"]["lr"])
+        assert (job / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert lrs == [1e-4, 3e-4]
+    # The sweep's end: its picture, and one table (rank 0's) of each job's final figures.
+    assert (sweeps[0] / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert stdout.count("==== sweep ") == 1, stdout[-3000:]
+    table = stdout.split("==== sweep ")[1].splitlines()
+    for job, lr in (("0", "optim.lr=0.0001"), ("1", "optim.lr=0.0003")):
+        row = next(line.split() for line in table if line.startswith(f"{job}: "))
+        summary = json.loads((sweeps[0] / job / "summary.json").read_text())
+        assert row[1] == lr and row[2] == "3" and row[3] == f"{summary['final_loss']:.4f}" and row[-1] == "done"
 
 
 def test_sweep_runs_each_job_in_its_own_directory(tmp_path):
     proc = launch(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    check_sweep(tmp_path, world_size=1)
+    check_sweep(tmp_path, world_size=1, stdout=proc.stdout)
 
 
 @pytest.mark.distributed
@@ -63,4 +74,4 @@ def test_sweep_under_torchrun_sets_up_the_process_group_per_job(tmp_path):
     proc = launch(tmp_path, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "SIGABRT" not in proc.stderr
-    check_sweep(tmp_path, world_size=2)
+    check_sweep(tmp_path, world_size=2, stdout=proc.stdout)

@@ -117,7 +117,7 @@ def single_process_run(tmp_path_factory) -> Path:
     return run_dir
 
 
-TORCHRUN_STEPS = ["trainer.max_steps=5", "trainer.val_every=0", "data.val_max_batches=null"]
+TORCHRUN_STEPS = ["trainer.max_steps=5", "trainer.val_every=0", "data.val_max_batches=null", "eval.sample_tokens=8"]
 
 
 @pytest.mark.distributed
@@ -161,6 +161,10 @@ def test_torchrun_ranks_share_one_run_dir_and_match_one_process(tmp_path, single
     assert (run_dirs[0] / ".hydra" / "config.yaml").is_file()
     assert (run_dirs[0] / "finetune.log").read_text().count("val_loss") == 2
     assert ("pre-flight: " in (run_dirs[0] / "finetune.log").read_text()) == (PREFLIGHT_ON in mesh)
+    # The samples of each validation (every rank decoding under the mesh) are one process's.
+    samples = [[(r["step"], r["completion_ids"]) for r in map(json.loads, (d / "samples.jsonl").read_text().splitlines())]
+               for d in (run_dirs[0], reference)]
+    assert samples[0] == samples[1] and [s for s, _ in samples[1]] == [0, 0, 5, 5]
 
 
 @pytest.mark.distributed
@@ -179,7 +183,7 @@ def test_bad_parallel_config_fails_on_every_rank_before_training(tmp_path):
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("trainer.max_stpes=3", "Key 'max_stpes' not in 'TrainerConfig'"),
+        ("trainer.max_stpes=3", "trainer.max_stpes: no such setting"),
         ("trainer.max_steps=abc", "could not be converted to Integer"),
         ("model=doesnotexist", "Could not find 'model/doesnotexist'"),
     ],
@@ -188,6 +192,8 @@ def test_bad_overrides_fail_with_hydras_message(override, expected, tmp_path):
     proc = cli(override, f"hydra.run.dir={tmp_path}")
     assert proc.returncode != 0
     assert expected in proc.stderr
+    if override.startswith("trainer.max_stpes"):
+        assert "Did you mean max_steps? Fix: trainer.max_steps=3" in proc.stderr
     if override.startswith("model="):
         assert "Available options in 'model'" in proc.stderr and "tiny" in proc.stderr
 

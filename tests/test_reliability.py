@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from nemotron_recipe.config import ConfigError
 from nemotron_recipe.models.nemotron_v3 import PRESETS, CheckpointError, NemotronHForCausalLM
@@ -35,7 +36,7 @@ from nemotron_recipe.training.hf_io import (
 from nemotron_recipe.training.nonfinite import NonFiniteError, NonFiniteGuard
 from nemotron_recipe.training.preemption import StopConditions
 
-from helpers import REPO, RUN_BASE, compose_run, metrics_rows
+from helpers import REPO, RUN_BASE, SMALL_DIMS, compose_run, metrics_rows
 
 SHORT = ["trainer.val_every=0", "optim.warmup_steps=0"]
 # lr=100 from the first step: step 1 is finite, step 2's loss is NaN.
@@ -67,6 +68,22 @@ def poison_step(monkeypatch: pytest.MonkeyPatch, steps: set[int]) -> None:
 
 
 # ---------------------------------------------------------------------------------------- non-finite
+def poison_one_gradient(monkeypatch: pytest.MonkeyPatch, steps: set[int], losses: list[float]) -> None:
+    """Makes one element of one gradient of the given steps (1-based) infinite; the loss stays as it was
+    (its values are appended to `losses`)."""
+    original = Trainer._forward_backward
+
+    def forward_backward(self: Trainer, batch: dict, denominator: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        loss, mtp_loss = original(self, batch, denominator)
+        if self.step + 1 in steps:
+            grad = next(p for p in self.params if p.grad is not None).grad
+            (grad.to_local() if isinstance(grad, DTensor) else grad).view(-1)[0] = float("inf")
+            losses.append(loss.item())
+        return loss, mtp_loss
+
+    monkeypatch.setattr(Trainer, "_forward_backward", forward_backward)
+
+
 def test_nonfinite_stop_exits_1_naming_the_step_and_keeps_every_finite_checkpoint(tmp_path):
     out = tmp_path / "run"
     proc = cli("recipes.finetune", *RUN_BASE, *DIVERGING, "checkpoint.every=1", "checkpoint.keep=2",
@@ -414,3 +431,21 @@ def test_a_full_disk_during_a_save_says_no_space_left(tmp_path, monkeypatch, fai
         run(compose_run(tmp_path / "run", *SHORT, "trainer.max_steps=1"))
     assert "no space left" in str(info.value) and "free now" in str(info.value), info.value
     assert not list((tmp_path / "run" / "checkpoints").glob("*.tmp-*"))
+
+
+def test_a_finite_loss_with_a_non_finite_gradient_is_not_taken(tmp_path, monkeypatch):
+    """The guard reads the gradient as well as the loss: a step whose loss is finite but one of whose
+    gradients is not is dropped like a diverged one, and no weight takes the infinite value."""
+    guard = NonFiniteGuard("skip", 10, torch.device("cpu"))
+    for norm in (float("inf"), float("nan")):
+        assert not guard.step_is_finite(torch.tensor(2.5), torch.tensor(norm))
+    assert guard.step_is_finite(torch.tensor(2.5), torch.tensor(1.0))
+    losses: list[float] = []
+    poison_one_gradient(monkeypatch, {2}, losses)
+    small = [f"model.{k}={v}" for k, v in {**SMALL_DIMS, "vocab_size": 512}.items()]
+    summary = run(compose_run(tmp_path, *SHORT, *small, "trainer.max_steps=3", "trainer.nonfinite=skip"))
+    assert len(losses) > 0 and all(math.isfinite(v) for v in losses)
+    assert summary["skipped_steps"] == 1
+    rows = {r["step"]: r for r in metrics_rows(tmp_path) if "loss" in r}
+    assert rows[2].get("skipped") is True and not any(rows[s].get("skipped") for s in (1, 3))
+    assert all_finite(tmp_path / "checkpoints" / "step_000003")

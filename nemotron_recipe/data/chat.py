@@ -135,6 +135,19 @@ class ChatFormatter:
             return self._tokenize(text, spans)
         return self._encode_with_template(turns, where)
 
+    def encode_prompt(self, turns: Turns, where: str = "prompt") -> list[int]:
+        """The ids a model continues to answer `turns` (which end before an assistant turn): the
+        conversation as training renders it, then the opening of an assistant turn (a template's
+        generation prompt)."""
+        if self.kind == "builtin":
+            return self._encode_builtin([turns], [where])[0].ids + self._markers["assistant"]
+        if self.kind == "nemotron3":
+            text, _ = nemotron3.render(turns, set(), self.policy, where)
+            text += nemotron3.generation_prompt(self.policy)
+        else:
+            text = self._render(self._prepared(turns, where), where, generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     # ------------------------------------------------------------------ shared steps
     def _tokenize(self, text: str, spans: Sequence[tuple[int, int]]) -> Encoded:
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

@@ -35,6 +35,12 @@ from .reasoning import (
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
 
+def generation_prompt(policy: ReasoningPolicy) -> str:
+    """The opening of the assistant turn a model continues: reasoning on (its think block opened), or off
+    (an empty block) when training dropped the traces."""
+    return f"{IM_START}assistant\n" + ("<think></think>" if policy.mode == "drop" else "<think>\n")
+
+
 def render(turns: list[dict[str, str]], trained_turns: set[int], policy: ReasoningPolicy, where: str,
            *, train_all: bool = False) -> tuple[str, list[tuple[int, int]]]:
     """The conversation's text and its trained character spans: in each trained assistant turn, the

@@ -19,6 +19,9 @@ import datasets
 
 FILE_FORMATS = ("jsonl", "json", "parquet", "csv")
 FORMATS = (*FILE_FORMATS, "hub")
+# `data.format=preference`: rows of (prompt, chosen, rejected) for DPO, the file's format read from its
+# extension (or a hub id), as with data.format=null.
+PREFERENCE = "preference"
 _EXTENSIONS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}
 # `datasets` names its JSON Lines builder "json".
 _BUILDERS = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}
@@ -84,7 +87,7 @@ def looks_like_hub_id(value: str) -> bool:
 
 def source_format(value: str, fmt: Optional[str]) -> str:
     """`fmt` when given, else the format a local path's extension names, else "hub" for a hub id."""
-    if fmt:
+    if fmt and fmt != PREFERENCE:
         return fmt
     p = Path(value).expanduser()
     if p.exists() or not looks_like_hub_id(value):
@@ -95,9 +98,9 @@ def source_format(value: str, fmt: Optional[str]) -> str:
 def check_data_config(data_cfg: Any) -> list[str]:
     """Problems in the `data` settings that can be found without reading any data."""
     errors: list[str] = []
-    fmt = data_cfg.format
+    fmt = None if data_cfg.format == PREFERENCE else data_cfg.format
     if fmt is not None and fmt not in FORMATS:
-        errors.append(f"data.format={fmt!r}: unknown format. Fix: use one of {list(FORMATS)}, or null to "
+        errors.append(f"data.format={fmt!r}: unknown format. Fix: use one of {[*FORMATS, PREFERENCE]}, or null to "
                       "infer it from the file extension.")
         fmt = None
     for name in ("train_file", "val_file"):
@@ -207,6 +210,9 @@ def _check_turns(turns: Any, where: str, cols: Columns) -> list[dict[str, Any]]:
 
 def check_row(row: Any, where: str, cols: Columns) -> None:
     """Raise a `DataError` naming `where` unless `row` has the columns and types `cols` asks for."""
+    if (own_check := getattr(cols, "check_row", None)) is not None:  # other row kinds (preference pairs)
+        own_check(row, where)
+        return
     if not isinstance(row, dict):
         raise DataError(
             f"{where}: expected a JSON object with keys {list(cols.required)}, got a JSON {type(row).__name__}. "
@@ -338,7 +344,8 @@ def _check_dataset(ds: datasets.Dataset, label: str, cols: Columns) -> None:
     if missing:
         raise DataError(
             f"{label}: missing column(s) {missing}; it has columns {ds.column_names}. Fix: rename them, or "
-            "point data.prompt_key/data.response_key (or data.messages_key for chat rows) at these columns."
+            f"point {getattr(cols, 'key_fields', 'data.prompt_key/data.response_key (or data.messages_key for chat rows)')}"
+            " at these columns."
         )
     for i, row in enumerate(ds.select_columns(list(cols.required))):
         check_row(row, f"{label}: row {i + 1}", cols)

@@ -1,15 +1,11 @@
-"""Supervised fine-tuning loop: one code path for a single process and for any torchrun mesh.
+"""Fine-tuning loop: one code path for a single process and for any torchrun mesh.
 
 `run` opens the process group and hands the run to a `Trainer`, whose setup builds the mesh, the
-data, the model, the optimizer and the checkpointer, and whose `train` loop reads as its steps:
-`train_step`, `log`, `evaluate`, `checkpoint`, then `summary`. Metrics rows (`TrainMetrics`),
-validation (`Validator`) and checkpoints (`Checkpointer`) are components the trainer calls.
-
-Loss normalisation: every optimizer step covers a fixed global batch. Its number of trained
-tokens is summed over every rank that holds different tokens (data- and context-parallel ranks)
-before any backward pass, and each micro-batch back-propagates (sum of its token losses) / (that
-global count). With the parallelizer summing gradients over those ranks, loss and gradients are
-those of one big batch, whatever the mesh, micro-batch size or padding.
+data, the model, the optimizer, the objective and the checkpointer, and whose `train` loop reads as
+its steps: `train_step`, `log`, `evaluate`, `checkpoint`, then `summary`. What a step computes (its
+micro-batches' forward and backward, its normalisers and its metrics) belongs to the objective
+(`training.objectives`: `sft`, `dpo`); metrics rows (`TrainMetrics`), validation (`Validator`) and
+checkpoints (`Checkpointer`) are components the trainer calls.
 """
 
 from __future__ import annotations
@@ -23,35 +19,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from nemotron_recipe.config import validate_config
-from nemotron_recipe.data import GlobalBatchPlan, collate, val_batches
+from nemotron_recipe.data import ChatFormatter, GlobalBatchPlan
+from nemotron_recipe.data.preference import PreferencePairs
 from nemotron_recipe.distributed.env import DistEnv, distributed
 from nemotron_recipe.distributed.plan import ParallelPlan
-from nemotron_recipe.models.nemotron_v3 import (
-    NemotronHConfig,
-    NemotronHForCausalLM,
-    build_meta_model,
-)
-from nemotron_recipe.models.nemotron_v3.lora import (
-    add_adapters,
-    freeze_base,
-    is_adapter,
-)
-from nemotron_recipe.models.nemotron_v3.mtp import shift_for_mtp
+from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM, build_meta_model
+from nemotron_recipe.models.nemotron_v3.lora import add_adapters, freeze_base, is_adapter
 from nemotron_recipe.training.checkpoint import Checkpointer
 from nemotron_recipe.training.compile import compile_blocks
-from nemotron_recipe.training.cpu_memory import keep_freed_memory
 from nemotron_recipe.training.data import load_training_data
+from nemotron_recipe.training.cpu_memory import keep_freed_memory
 from nemotron_recipe.training.hf_io import export_run_checkpoint, load_hf_sharded
-from nemotron_recipe.training.logging import (
-    MetricsWriter,
-    TrainMetrics,
-    earlier_val_losses,
-    print_summary,
-)
+from nemotron_recipe.training.logging import MetricsWriter, TrainMetrics, earlier_val_losses, print_summary
+from nemotron_recipe.training.moe_balance import RouterBalance, freeze_routers
 from nemotron_recipe.training.lora import (
     base_record,
     lora_spec,
@@ -60,29 +43,15 @@ from nemotron_recipe.training.lora import (
     start_adapters,
     store_base,
 )
-from nemotron_recipe.training.loss import (
-    IGNORE_INDEX,
-    forward_loss_sum,
-    forward_loss_sums,
-    local_value,
-)
-from nemotron_recipe.training.moe_balance import RouterBalance, freeze_routers
+from nemotron_recipe.training.objectives import Objective, StepSums, build_objective
 from nemotron_recipe.training.nonfinite import NonFiniteGuard
-from nemotron_recipe.training.optim import (
-    build_optimizer,
-    build_scheduler,
-    clip_grad_norm_,
-)
+from nemotron_recipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from nemotron_recipe.training.planner.preflight import preflight
 from nemotron_recipe.training.preemption import StopConditions
-from nemotron_recipe.training.setup import DataLayout, data_layout, parallelize_model
+from nemotron_recipe.training.samples import Samples, configured_prompts, validation_prompts
+from nemotron_recipe.training.setup import data_layout, parallelize_model
 
 log = logging.getLogger(__name__)
-
-
-def _all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t
 
 
 def build_model(cfg: Any, model_config: NemotronHConfig) -> NemotronHForCausalLM:
@@ -97,36 +66,6 @@ def build_model(cfg: Any, model_config: NemotronHConfig) -> NemotronHForCausalLM
     return NemotronHForCausalLM(model_config)
 
 
-@torch.no_grad()
-def evaluate(
-    model: torch.nn.Module,
-    batches: Any,
-    *,
-    max_batches: int | None,
-    device: torch.device,
-    layout: DataLayout,
-    loss_chunk_size: int | None = None,
-) -> float:
-    """Token-weighted mean loss over this rank's batches and every other rank's tokens."""
-    model.eval()
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, trained tokens]
-    try:
-        for i, batch in enumerate(batches):
-            if max_batches is not None and i >= max_batches:
-                break
-            docs = batch.get("document_ids")  # only packed data has them
-            loss_sum, count = forward_loss_sum(
-                model, layout.shard(batch["input_ids"]).to(device), layout.shard(batch["targets"]).to(device),
-                document_ids=None if docs is None else layout.shard(docs).to(device), loss_chunk_size=loss_chunk_size,
-            )
-            totals[0] += local_value(loss_sum).double()
-            totals[1] += count.double()
-    finally:
-        model.train()
-    _all_reduce_sum(totals, layout.token_group)
-    return (totals[0] / totals[1].clamp(min=1)).item()
-
-
 class Validator:
     """Validation passes and their metrics rows, called by the trainer on every rank.
 
@@ -137,17 +76,14 @@ class Validator:
     def __init__(
         self,
         cfg: Any,
-        model: torch.nn.Module,
-        batches: Any,
+        objective: Objective,
         *,
-        layout: DataLayout,
-        device: torch.device,
         writer: MetricsWriter,
         history: list[tuple[int, float]],
         started: float,
+        samples: Samples | None = None,
     ) -> None:
-        self.model, self.batches, self.layout, self.device = model, batches, layout, device
-        self.max_batches, self.loss_chunk_size = cfg.data.val_max_batches, cfg.trainer.loss_chunk_size
+        self.objective, self.max_batches, self.samples = objective, cfg.data.val_max_batches, samples
         self.every, self.max_steps = cfg.trainer.val_every, cfg.trainer.max_steps
         self.writer, self.history, self.started = writer, history, started
 
@@ -156,34 +92,34 @@ class Validator:
         return bool(self.every) and step % self.every == 0 and step != self.max_steps
 
     def run(self, step: int) -> float:
-        """Runs and logs a validation pass labelled `step`; returns the seconds it took."""
-        if self.batches is None:
-            return 0.0
+        """Runs and logs a validation pass labelled `step` (its loss, its samples); returns the seconds it took."""
         began = time.perf_counter()
-        val_loss = evaluate(self.model, self.batches, max_batches=self.max_batches, device=self.device,
-                            layout=self.layout, loss_chunk_size=self.loss_chunk_size)
-        self.history.append((step, val_loss))
-        self.writer.log_val({"step": step, "val_loss": val_loss, "elapsed_s": time.perf_counter() - self.started})
+        metrics = self.objective.validate(self.max_batches)
+        if metrics is not None:
+            self.history.append((step, metrics["val_loss"]))
+            self.writer.log_val({"step": step, **metrics, "elapsed_s": time.perf_counter() - self.started})
+        if self.samples is not None:
+            self.samples.run(step)
+        self.writer.plot()
         return time.perf_counter() - began
 
     def summary(self) -> dict[str, float | None]:
         """The summary's validation entries: the first and last loss of the run and their ratio."""
         first = self.history[0][1] if self.history else None
         last = self.history[-1][1] if self.history else None
-        return {"first_val_loss": first, "last_val_loss": last, "val_loss_ratio": (last / first) if first else None}
+        return {"first_val_loss": first, "last_val_loss": last, "val_loss_ratio": (last / first) if first else None,
+                **(self.samples.summary() if self.samples is not None else {})}
 
 
 @dataclass
 class StepResult:
     """What one optimizer step leaves for its metrics row. Nothing here is reduced over ranks yet:
-    the loss is summed over them only for the steps that get a row."""
+    the objective's sums are reduced over them only for the steps that get a row."""
 
-    loss_sum: torch.Tensor  # this rank's token-loss sum over its micro-batches, detached
-    trained_tokens: int  # the step's trained tokens over every rank: the loss's denominator
+    sums: StepSums  # this rank's loss sums over its micro-batches, detached, and the step's trained tokens
     lr: float  # the LR the step was taken with
     grad_norm: torch.Tensor  # the total gradient norm, before clipping
     skipped: bool = False  # not taken: its loss or gradient norm was not finite (trainer.nonfinite=skip)
-    mtp_loss_sum: torch.Tensor | None = None  # this rank's MTP loss sum, when MTP layers are trained
     # Router health over the global batch: moe_load_imbalance (busiest expert / mean, worst MoE block)
     # and moe_aux_loss (the balance-loss term, when trained).
     moe: dict[str, float] | None = None
@@ -203,6 +139,7 @@ class Trainer:
         self, cfg: Any, model_config: NemotronHConfig, plan: ParallelPlan, env: DistEnv, *, started: float
     ) -> None:
         self.cfg, self.parallel, self.env, self.started = cfg, plan, env, started
+        self.model_config = model_config
         self.run_dir = Path(cfg.run_dir)
         # MTP layers train when the model has them and model.mtp_loss_scale is not 0.
         self.mtp_loss_scale = model_config.effective_mtp_loss_scale
@@ -217,6 +154,7 @@ class Trainer:
             self._setup_data(model_config)
             self._setup_model(model_config)
             self._setup_optimizer()
+            self._setup_objective()
             if cfg.trainer.compile:
                 self._compile()
             self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -243,17 +181,12 @@ class Trainer:
         """Tokenizer, data sets, the batch plan of every step and this rank's validation batches."""
         cfg, t = self.cfg, self.cfg.trainer
         tokenizer, self.data = load_training_data(cfg, model_config.vocab_size)
+        self.tokenizer = tokenizer
         self.pad_id = tokenizer.pad_token_id
         self.batch_plan = GlobalBatchPlan(
             len(self.data.train), t.global_batch_size, t.micro_batch_size, self.layout.dp_rank, self.layout.dp_size,
             cfg.seed,
         )
-        self.val_data = None
-        if self.data.val is not None:
-            self.val_data = val_batches(
-                self.data.val, t.micro_batch_size, self.layout.dp_rank, self.layout.dp_size, t.seq_len, self.pad_id,
-                self.parallel.seq_len_divisor,
-            )
         log.info("data: %s; %d micro-batch(es) per rank per step", self.data.describe(t.seq_len),
                  self.batch_plan.grad_accum_steps)
 
@@ -266,10 +199,14 @@ class Trainer:
             "model: pattern %s, %.2fM parameters; world size %d, mesh %s",
             model.config.pattern, self.num_parameters / 1e6, self.env.world_size, self.mesh_shape,
         )
+        if not cfg.model.pretrained and self.env.is_main:
+            say = log.info if cfg.model.preset == "tiny" else log.warning
+            say("model: random weights (preset %s drawn from seed %d); to fine-tune released weights set "
+                "model.pretrained=<checkpoint directory or hub id>", cfg.model.preset, cfg.seed)
         self.lora = lora_spec(cfg)
         self._check_peft(model)
         model = self._parallelize(model, reapply_trainability=self._trainability())
-        # An nf4 base was read before it was quantized (store_base).
+        # An nf4 base was read before it was quantized (_check_peft).
         if cfg.model.pretrained and not (self.lora and cfg.peft.base_dtype == "nf4"):
             shard_device = torch.device("cpu") if cfg.fsdp.offload else self.env.device
             # A LoRA checkpoint holds the adapters only: its base is read from model.pretrained.
@@ -281,6 +218,20 @@ class Trainer:
             start_adapters(model, cfg, self.lora)
         model.train()
         self.model = model
+
+    def frozen_copy(self) -> torch.nn.Module:
+        """A model holding the run's starting weights (LoRA: the base without adapters), sharded like the
+        policy, with nothing to train: DPO's reference=copy. Built from the seed or read from
+        model.pretrained as the policy was, so a resumed run gets the same one."""
+        cfg = self.cfg
+        model = build_model(cfg, self.model_config)
+        if self.lora:
+            store_base(model, cfg)
+        model = self._parallelize(model, reapply_trainability=lambda m: m.requires_grad_(False))
+        if cfg.model.pretrained:
+            load_hf_sharded(model, cfg.model.pretrained, torch.device("cpu") if cfg.fsdp.offload else self.env.device,
+                            skip=is_adapter)
+        return model.eval()
 
     def _trainability(self) -> Callable[[torch.nn.Module], None] | None:
         """What trains, set after tensor parallel has replaced the parameters: LoRA's adapters only, and
@@ -322,6 +273,14 @@ class Trainer:
         self.checkpointer.check_space(self.model)
         self.step = self.start_step
 
+    def _setup_objective(self) -> None:
+        """What a step computes (`objective.name`), over the model and the data just set up."""
+        self.objective = build_objective(
+            self.cfg.objective.name, cfg=self.cfg, model=self.model, data=self.data, layout=self.layout,
+            device=self.env.device, pad_id=self.pad_id, seq_len_divisor=self.parallel.seq_len_divisor,
+            mtp_depths=self.mtp_depths, mtp_loss_scale=self.mtp_loss_scale, trainer=self,
+        )
+
     def _compile(self) -> None:
         """Compiles the blocks. The probe compiles forward and backward at the training shape (a real
         micro-batch) on every rank in step, so a failure shows up here, not mid-training."""
@@ -329,9 +288,7 @@ class Trainer:
         probe = {k: v.to(self.env.device) for k, v in self._collate(first).items()}
 
         def run_probe() -> None:
-            forward_loss_sums(self.model, probe["input_ids"], probe["targets"], document_ids=probe.get("document_ids"),
-                              loss_chunk_size=self.cfg.trainer.loss_chunk_size, backward_denominator=1.0,
-                              mtp=self._mtp_inputs(probe), mtp_loss_scale=self.mtp_loss_scale)
+            self.objective.forward_backward(probe, self.objective.begin_step([probe]))
             self.model.zero_grad(set_to_none=True)
 
         compile_blocks(self.model, probe=run_probe)
@@ -349,17 +306,34 @@ class Trainer:
             resume_step=self.start_step,
         )
         self.validator = Validator(
-            cfg, self.model, self.val_data, layout=self.layout, device=self.env.device, writer=self.writer,
-            history=earlier_val_losses(self.run_dir, self.start_step), started=self.started,
+            cfg, self.objective, writer=self.writer, history=earlier_val_losses(self.run_dir, self.start_step),
+            started=self.started, samples=self._samples(),
         )
-        self.metrics = TrainMetrics(self.writer, tokens_per_step=t.global_batch_size * t.seq_len,
+        sequences_per_step = t.global_batch_size * self.objective.sequences_per_example
+        self.metrics = TrainMetrics(self.writer, tokens_per_step=sequences_per_step * t.seq_len,
                                     log_every=t.log_every, max_steps=t.max_steps, started=self.started)
         # stop_at_step ends the run early but leaves the LR schedule to max_steps.
         self.end_step = min(t.max_steps, t.stop_at_step) if t.stop_at_step else t.max_steps
         self.stop = StopConditions(max_minutes=t.max_minutes, started=self.started, device=self.env.device)
         self.guard = NonFiniteGuard(t.nonfinite, t.max_skipped_steps, self.env.device)
         self.balance = RouterBalance(self.model, self.layout.moe_token_group, cfg.moe.bias_update_rate,
-                                     cfg.moe.aux_loss_coeff, sequences_per_step=t.global_batch_size)
+                                     cfg.moe.aux_loss_coeff, sequences_per_step=sequences_per_step)
+
+    def _samples(self) -> Samples | None:
+        """The prompts continued at each validation: eval.samples, else the first validation prompts."""
+        e = self.cfg.eval
+        if not e.sample_tokens:
+            return None
+        if e.samples is None:
+            val = self.data.val.chosen if isinstance(self.data.val, PreferencePairs) else self.data.val
+            prompts = validation_prompts(val, self.tokenizer)  # a pair's prompt, its chosen reply the reference
+        else:
+            formatter = ChatFormatter.from_config(self.cfg.data, self.tokenizer)
+            prompts = configured_prompts(list(e.samples), formatter)
+        if not prompts:
+            return None
+        return Samples(self.model, prompts, self.tokenizer, self.writer, max_new_tokens=e.sample_tokens,
+                       seq_len_divisor=self.parallel.seq_len_divisor, cp=self.layout.cp, device=self.env.device)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, Any]:
@@ -392,32 +366,31 @@ class Trainer:
             failed = False
         finally:
             self.stop.restore()
+            self.writer.plot()  # the rows since the last validation (a failed run's too), or all without one
             self.writer.close(failed=failed)
             self.checkpointer.release()
         return summary
 
     def train_step(self, step: int) -> StepResult:
-        """One optimizer step on the global batch of `step` (0-based), loss normalised as the module
-        docstring says: every micro-batch's loss sum is divided by the step's global token count.
+        """One optimizer step on the global batch of `step` (0-based). The objective normalises it
+        (its `begin_step`, before any backward) and runs each micro-batch's forward and backward.
 
         A step whose loss or gradient norm is not finite on any rank is not taken (`NonFiniteGuard`):
         the run stops, or under `trainer.nonfinite=skip` the batch is dropped and the LR schedule
         moves on, so the schedule and the data position stay functions of the step."""
         micro_batches = [self._collate(indices) for indices in self.batch_plan.indices_for_step(step)]
-        trained_tokens = self._global_trained_tokens(micro_batches)
-        denominator = max(trained_tokens, 1)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.env.device)
-        mtp_loss_sum = torch.zeros_like(loss_sum) if self.mtp_depths else None
+        context = self.objective.begin_step(micro_batches)
+        losses, extras = [], []
         for batch in micro_batches:
-            main, mtp = self._forward_backward(batch, denominator)
+            loss, extra = self._forward_backward(batch, context)
             if self.balance:
                 self.balance.after_micro_batch()
-            loss_sum += main
-            if mtp_loss_sum is not None:
-                mtp_loss_sum += mtp
+            losses.append(loss)
+            extras.append(extra)
+        sums = self.objective.finish_step(losses, extras, context)
         grad_norm = clip_grad_norm_(self.params, self.cfg.trainer.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
-        finite = self.guard.step_is_finite(loss_sum if mtp_loss_sum is None else loss_sum + mtp_loss_sum, grad_norm)
+        finite = self.guard.step_is_finite(self.objective.finite_value(sums), grad_norm)
         if finite:
             self.optimizer.step()
         else:
@@ -426,8 +399,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         # After the step, so the biases it moves route the next step's tokens.
         moe = self.balance.after_step(taken=finite) if self.balance else {}
-        return StepResult(loss_sum=loss_sum, trained_tokens=trained_tokens, lr=lr, grad_norm=grad_norm,
-                          skipped=not finite, mtp_loss_sum=mtp_loss_sum,
+        return StepResult(sums=sums, lr=lr, grad_norm=grad_norm, skipped=not finite,
                           moe={k: v for k, v in moe.items() if k != "expert_load"} or None,
                           expert_load=moe.get("expert_load"))
 
@@ -436,58 +408,23 @@ class Trainer:
         return self.checkpointer.last_saved or self.checkpointer.resume_from
 
     def _collate(self, indices: Any) -> dict[str, torch.Tensor]:
-        """The micro-batch of the examples at `indices`, padded to its longest row (rounded up so the
-        sequence splits over the cp/sp ranks, which read the same rows), cut to this rank's part."""
-        batch = collate(self.data.train, indices, self.cfg.trainer.seq_len, self.pad_id, self.parallel.seq_len_divisor)
-        if self.mtp_depths:  # shifted before the sequence is split: a cp rank lacks the tokens after its own
-            batch["mtp_input_ids"], batch["mtp_targets"] = shift_for_mtp(
-                batch["input_ids"], batch["targets"], self.mtp_depths, batch.get("document_ids"), self.pad_id)
-        if self.balance.needs_token_mask:  # the MoE balance loss leaves padding out
-            lengths = torch.tensor([len(self.data.train.input_ids[i]) for i in indices])
-            batch["token_mask"] = torch.arange(batch["input_ids"].shape[1]) < lengths[:, None]
-        return {k: self.layout.shard(v) for k, v in batch.items()}
+        """This rank's micro-batch of the examples at `indices`, as the objective lays it out."""
+        return self.objective.collate(indices)
 
-    def _mtp_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if "mtp_input_ids" not in batch:
-            return None
-        return batch["mtp_input_ids"].to(self.env.device), batch["mtp_targets"].to(self.env.device)
-
-    def _global_trained_tokens(self, micro_batches: list[dict[str, torch.Tensor]]) -> int:
-        """The step's trained tokens summed over every rank that holds different tokens."""
-        local = sum(int((b["targets"] != IGNORE_INDEX).sum()) for b in micro_batches)
-        counts = torch.tensor([local], dtype=torch.int64, device=self.env.device)
-        return int(_all_reduce_sum(counts, self.layout.token_group).item())
-
-    def _forward_backward(
-        self, batch: dict[str, torch.Tensor], denominator: int
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Back-propagates the micro-batch's (loss sum + mtp_loss_scale * MTP loss sum) / `denominator`;
-        returns this rank's loss sum and MTP loss sum (None without MTP training)."""
-        device = self.env.device
-        # Packed batches carry document_ids (already sharded like the inputs); others run the model's
-        # single-document path.
-        docs = batch.get("document_ids")
-        sums = forward_loss_sums(
-            self.model, batch["input_ids"].to(device), batch["targets"].to(device),
-            document_ids=None if docs is None else docs.to(device),
-            loss_chunk_size=self.cfg.trainer.loss_chunk_size, backward_denominator=denominator,
-            mtp=self._mtp_inputs(batch), mtp_loss_scale=self.mtp_loss_scale,
-            token_mask=batch["token_mask"].to(device) if "token_mask" in batch else None,
-        )
-        mtp = None if sums.mtp_loss_sum is None else local_value(sums.mtp_loss_sum.detach()).float()
-        return local_value(sums.loss_sum.detach()).float(), mtp
+    def _forward_backward(self, batch: dict[str, torch.Tensor], context: Any) -> tuple[torch.Tensor, Any]:
+        """The micro-batch's forward and backward (the objective's); returns this rank's loss sum and the
+        objective's other sums."""
+        return self.objective.forward_backward(batch, context)
 
     def log(self, result: StepResult) -> None:
         """Counts the step just done and writes its metrics row when one is due (the loss is summed
         over ranks for those steps only, and every skipped step gets one), then moves the progress bar."""
-        self.metrics.record(result.trained_tokens)
+        self.metrics.record(result.sums.trained_tokens)
         if self.metrics.due(self.step) or result.skipped:
-            sums = result.loss_sum if result.mtp_loss_sum is None else torch.stack([result.loss_sum, result.mtp_loss_sum])
-            losses = _all_reduce_sum(sums, self.layout.token_group) / max(result.trained_tokens, 1)
-            mtp_loss = None if result.mtp_loss_sum is None else losses[1].item()
-            self.metrics.log(self.step, loss=losses.flatten()[0].item(), lr=result.lr,
-                             grad_norm=result.grad_norm.item(), skipped=result.skipped, mtp_loss=mtp_loss,
-                             moe=result.moe)
+            row = self.objective.row(result.sums)
+            loss, mtp_loss = row.pop("loss"), row.pop("mtp_loss", None)
+            self.metrics.log(self.step, loss=loss, lr=result.lr, grad_norm=result.grad_norm.item(),
+                             skipped=result.skipped, mtp_loss=mtp_loss, moe=result.moe, extra=row)
             if result.expert_load is not None:
                 self.writer.log_expert_loads(self.step, result.expert_load)
         self.writer.advance()
@@ -511,9 +448,14 @@ class Trainer:
             self.checkpointer.save(self.step, self.model, self.optimizer, self.scheduler)
 
     def _finish(self) -> str | None:
-        """The end of a run that reached max_steps: the final validation pass, then the Hugging Face
-        export if asked for; returns the export's directory."""
+        """The end of a run that reached max_steps: the final validation pass, the `eval.tasks` on the
+        final checkpoint, then the Hugging Face export if asked for; returns the export's directory."""
         self.validator.run(self.cfg.trainer.max_steps)
+        if self.cfg.eval.tasks:
+            from nemotron_recipe.training.end_eval import evaluate_final_checkpoint
+
+            self.eval_metrics = evaluate_final_checkpoint(self.cfg, self.checkpointer, self.env.device)
+            self.writer.log_eval({"step": self.step, **self.eval_metrics})
         if not self.cfg.checkpoint.export_hf:
             return None
         return str(export_run_checkpoint(self.checkpointer, self.run_dir / "hf"))
@@ -530,6 +472,7 @@ class Trainer:
             "hf_export": hf_dir,
             "skipped_steps": self.guard.skipped,
             **self.validator.summary(),
+            **getattr(self, "eval_metrics", {}),
             **self.metrics.summary(train_time),
             "wall_time_s": time.perf_counter() - self.started,
             "run_dir": str(self.run_dir),

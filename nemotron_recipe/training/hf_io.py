@@ -11,7 +11,8 @@ differences are resolved while reading:
 
 Export: a DCP training checkpoint is loaded into an unsharded model in one process without any
 process group (DCP reassembles the shards of whatever mesh saved it) and written by the model's
-own `save_pretrained`, with the run's tokenizer next to it. `export_hf` is the whole export (the
+own `save_pretrained`, with the run's tokenizer next to it, carrying the chat template training
+rendered with, and a generation_config.json. `export_hf` is the whole export (the
 `recipes.export` command); `export_run_checkpoint` is the end of a training run, where every rank
 calls it and rank 0 alone exports.
 
@@ -277,7 +278,7 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, overwrite: bool = 
     if out.is_dir():
         _remove_model_files(out)
     model.save_pretrained(str(out))
-    _save_tokenizer(meta, path, out)
+    save_tokenizer(meta, path, out)
     log.info("exported %s (step %d) to %s", path, meta["step"], out)
     return out
 
@@ -297,20 +298,37 @@ def _export_lora(path: Path, meta: dict[str, Any], out: Path, *, merge: bool, ou
     for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS, OUT_PROJ_FACTORS):
         (out / name).unlink(missing_ok=True)
     staged(out)
-    _save_tokenizer(meta, path, out)
+    save_tokenizer(meta, path, out)
     log.info("exported %s (step %d, LoRA%s) to %s", path, meta["step"], ", merged" if merge else "", out)
     return out
 
 
-def _save_tokenizer(meta: dict[str, Any], path: Path, out: Path) -> None:
+def save_tokenizer(meta: dict[str, Any], path: Path, out: Path) -> None:
+    """The run's tokenizer, carrying the chat template training rendered with (`data.chat_template`) in
+    tokenizer_config.json, and a generation_config.json with its special ids, so that transformers'
+    `apply_chat_template` and `generate` work the way training did."""
     tokenizer = meta.get("tokenizer")
-    if tokenizer and Path(tokenizer).exists():
-        # Imported here: the data package loads transformers and datasets, which only this line needs.
-        from nemotron_recipe.data import load_tokenizer
-
-        load_tokenizer(tokenizer).save_pretrained(str(out))
-    else:
+    if not (tokenizer and Path(tokenizer).exists()):
         log.warning("tokenizer %r recorded in %s no longer exists: exported the weights without it", tokenizer, path)
+        return
+    # Imported here: the data package loads transformers and datasets, which only this export needs.
+    from transformers import GenerationConfig
+
+    from nemotron_recipe.data import load_tokenizer
+    from nemotron_recipe.data.chat_templates import training_template
+
+    tok = load_tokenizer(tokenizer)
+    setting = (meta.get("data") or {}).get("chat_template", "auto")
+    template = training_template(tok, setting)
+    if template is None:
+        log.warning("data.chat_template=%s: the tokenizer carries no Jinja of this format, so the export has no "
+                    "chat template; apply_chat_template will not render the training format.", setting)
+    tok.chat_template = template
+    # An earlier export's template file would win over the one in tokenizer_config.json on loading.
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    tok.save_pretrained(str(out), save_jinja_files=False)
+    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                     pad_token_id=tok.pad_token_id).save_pretrained(str(out))
 
 
 def export_run_checkpoint(checkpointer: Checkpointer, out_dir: Path) -> Path:

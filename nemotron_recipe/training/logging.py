@@ -1,4 +1,4 @@
-"""Run outputs: `metrics.jsonl`, the console (progress bar or log lines) and Weights & Biases.
+"""Run outputs: `metrics.jsonl`, `loss.png`, `samples.jsonl`, the console (progress bar or log lines) and Weights & Biases.
 
 Only the main rank builds an active writer; the others get a no-op one, so call sites need no
 rank checks. `TrainMetrics` turns training steps into the writer's rows (loss, LR, throughput).
@@ -49,11 +49,16 @@ class MetricsWriter:
         self._bar = None
         self._wandb_run = None
         self._redirect: contextlib.ExitStack | None = None
+        self._unplotted = 0  # rows written since loss.png was last drawn
+        self._samples_file = None
+        self._sample_rows: list[list[Any]] = []  # every sample so far: wandb replaces its table at each pass
+        self._plot_failed = False
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         # A resumed run adds to the rows of the runs before it, never rewrites them.
         self._file = open(run_dir / "metrics.jsonl", "a" if resume_step else "w", encoding="utf-8")
+        self._samples_path, self._samples_mode = run_dir / "samples.jsonl", "a" if resume_step else "w"
         if wandb_cfg is not None and wandb_cfg.mode != "disabled":
             self._wandb_run = _init_wandb(run_dir, wandb_cfg, config)
         if progress_bar:
@@ -91,6 +96,44 @@ class MetricsWriter:
         self._write(row)
         log.info("step %d  val_loss %.4f", row["step"], row["val_loss"])
 
+    def log_samples(self, rows: list[dict[str, Any]]) -> None:
+        """One validation's samples: a line each in samples.jsonl, on the console, and the wandb table."""
+        if not self.enabled:
+            return
+        if self._samples_file is None:  # opened at the first samples: a run without any leaves no file
+            self._samples_file = open(self._samples_path, self._samples_mode, encoding="utf-8")
+        for i, row in enumerate(rows):
+            self._samples_file.write(json.dumps(row) + "\n")
+            log.info("step %d  sample %d  %r -> %r (%s)", row["step"], i, row["prompt"], row["completion"],
+                     row["finish_reason"])
+        self._samples_file.flush()
+        if self._wandb_run is not None:
+            import wandb
+
+            self._sample_rows += [[r["step"], r["prompt"], r["completion"], r["finish_reason"]] for r in rows]
+            table = wandb.Table(columns=["step", "prompt", "completion", "finish_reason"], data=self._sample_rows)
+            self._wandb_run.log({"samples": table}, step=rows[0]["step"])
+
+    def plot(self) -> None:
+        """Redraws `loss.png` from the rows written so far, unless it already shows them all."""
+        if not self.enabled or self._plot_failed or not self._unplotted:
+            return
+        try:
+            from nemotron_recipe.training.plots import plot_run
+
+            plot_run(self.run_dir)
+            self._unplotted = 0
+        except Exception as e:  # noqa: BLE001 - a picture must never cost the run it pictures
+            self._plot_failed = True
+            log.warning("loss.png not written (and not retried in this run): %s: %s", type(e).__name__, e)
+
+    def log_eval(self, row: dict[str, Any]) -> None:
+        """The row of the `eval.tasks` metrics (`eval/<task>/<metric>`), written and printed."""
+        if not self.enabled:
+            return
+        self._write(row)
+        log.info("step %d  %s", row["step"], "  ".join(f"{k} {_fmt(v)}" for k, v in row.items() if k != "step"))
+
     def advance(self) -> None:
         if self._bar is not None:
             self._bar.update(1)
@@ -99,6 +142,7 @@ class MetricsWriter:
         assert self._file is not None
         self._file.write(json.dumps({k: _jsonable(v) for k, v in row.items()}) + "\n")
         self._file.flush()
+        self._unplotted += 1
         if self._wandb_run is not None:
             self._wandb_run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
@@ -118,9 +162,10 @@ class MetricsWriter:
         if self._redirect is not None:
             self._redirect.close()
             self._redirect = None
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        for name in ("_file", "_samples_file"):
+            if getattr(self, name) is not None:
+                getattr(self, name).close()
+                setattr(self, name, None)
         if self._wandb_run is not None:
             self._wandb_run.finish(exit_code=1 if failed else 0)
             self._wandb_run = None
@@ -164,13 +209,14 @@ class TrainMetrics:
 
     def log(
         self, step: int, *, loss: float, lr: float, grad_norm: float, skipped: bool = False,
-        mtp_loss: float | None = None, moe: dict[str, float] | None = None,
+        mtp_loss: float | None = None, moe: dict[str, float] | None = None, extra: dict[str, float] | None = None,
     ) -> None:
         """The row of `step`; its throughput covers the steps since the previous row. A step that was
         not taken (non-finite, `trainer.nonfinite=skip`) is marked `"skipped": true`. `mtp_loss`: the
         MTP layers' loss (per trained token, averaged over depths, unscaled), when they are trained;
         `moe`: router health (`moe_balance.RouterBalance`): `moe_load_imbalance`, the step's busiest-expert
-        load over the mean, worst MoE block, and `moe_aux_loss`, the balance-loss term, when trained."""
+        load over the mean, worst MoE block, and `moe_aux_loss`, the balance-loss term, when trained; `extra`: the objective's other
+        metrics (DPO's rewards), written after the loss."""
         if not skipped:  # the summary's final loss is that of a step that was taken
             self.last_loss = loss
         now = time.perf_counter()
@@ -179,6 +225,7 @@ class TrainMetrics:
             "step": step,
             "loss": loss,
             **({"mtp_loss": mtp_loss} if mtp_loss is not None else {}),
+            **(extra or {}),
             "lr": lr,
             "grad_norm": grad_norm,
             **(moe or {}),
@@ -224,6 +271,11 @@ def _init_wandb(run_dir: Path, wandb_cfg: Any, config: dict[str, Any] | None) ->
     )
 
 
+def _clip(text: str, width: int = 60) -> str:
+    text = repr(text)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def print_summary(summary: dict[str, Any]) -> None:
     def f(key: str, fmt: str = "{:.4f}") -> str:
         value = summary.get(key)
@@ -245,6 +297,11 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"wall time        {f('wall_time_s', '{:.1f}')} s (training {f('train_time_s', '{:.1f}')} s)",
         f"run dir          {summary['run_dir']}",
     ]
+    for key, label in (("first_samples", "first samples"), ("last_samples", "last samples")):
+        for i, row in enumerate(summary.get(key) or []):
+            lines.append(f"{label if i == 0 else '':<17}step {row['step']}: {_clip(row['prompt'])} -> "
+                         f"{_clip(row['completion'])}")
+    lines += _eval_lines(summary)
     if summary.get("resumed_from") is not None:
         lines.insert(3, f"resumed from     step {summary['resumed_from']}")
     if summary.get("stopped"):
@@ -252,6 +309,16 @@ def print_summary(summary: dict[str, Any]) -> None:
     elif summary.get("checkpoint"):
         lines.append(f"checkpoint       {summary['checkpoint']}")
     print("\n".join(lines), flush=True)
+
+
+def _eval_lines(summary: dict[str, Any]) -> list[str]:
+    """One summary line per `eval.tasks` task: its metrics without their standard errors."""
+    tasks: dict[str, list[str]] = {}
+    for key, value in summary.items():
+        if key.startswith("eval/") and "stderr" not in key:
+            _, task, metric = key.split("/", 2)
+            tasks.setdefault(task, []).append(f"{metric} {_fmt(value)}")
+    return [f"eval {task:<11} " + "  ".join(metrics) for task, metrics in tasks.items()]
 
 
 def earlier_val_losses(run_dir: Path, up_to_step: int) -> list[tuple[int, float]]:

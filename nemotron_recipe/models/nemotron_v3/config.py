@@ -382,3 +382,57 @@ PRESETS: dict[str, NemotronHConfig] = {
         moe_latent_size=1024, num_nextn_predict_layers=1, mtp_pattern="*E",
     ),
 }
+
+
+@dataclass(frozen=True)
+class PresetLR:
+    """The peak learning rates a preset is fine-tuned with when `optim.lr` is unset: all weights, or LoRA adapters."""
+
+    full: float
+    lora: float
+
+
+# Full fine-tuning and LoRA peak learning rates from the SFT and PEFT recipes NVIDIA publishes for each released
+# model in Megatron-Bridge (github.com/NVIDIA-NeMo/Megatron-Bridge, src/megatron/bridge/recipes/). Most recipes
+# take them from recipes/common.py: `_sft_common` (max_lr=5e-6, "lower LR for full fine-tuning") and
+# `_peft_common` (max_lr=1e-4, "higher LR for adapter training"). tiny's is its own: a randomly drawn model of a
+# few million parameters that learns the bundled examples within the default 200 steps.
+PRESET_LR: dict[str, PresetLR] = {
+    "tiny": PresetLR(full=3e-3, lora=3e-3),
+    # nemotronh/h100/nemotronh.py: nemotronh_8b_sft_2gpu_h100_bf16_config, nemotronh_8b_peft_1gpu_h100_bf16_config.
+    "nemotron_h_8b": PresetLR(full=5e-6, lora=1e-4),
+    # nemotronh/h100/nemotronh.py: nemotronh_47b_sft_16gpu_h100_bf16_config, nemotronh_47b_peft_4gpu_h100_bf16_config.
+    "nemotron_h_47b": PresetLR(full=5e-6, lora=1e-4),
+    # nemotronh/h100/nemotronh.py: nemotronh_56b_sft_8gpu_h100_bf16_config, nemotronh_56b_peft_4gpu_h100_bf16_config.
+    "nemotron_h_56b": PresetLR(full=5e-6, lora=1e-4),
+    # nemotronh/h100/nemotron_nano_v2.py: nemotron_nano_9b_v2_sft_2gpu_h100_bf16_config and _peft_1gpu_; NeMo
+    # AutoModel's examples/llm_finetune/nemotron/NVIDIA-Nemotron-Nano-9B-v2/*_squad.yaml use 1e-5 for both.
+    "nemotron_nano_9b_v2": PresetLR(full=5e-6, lora=1e-4),
+    # nemotronh/h100/nemotron_3_nano.py: nemotron_3_nano_sft_8gpu_h100_bf16_config and _peft_8gpu_.
+    "nemotron3_nano_30b_a3b": PresetLR(full=5e-6, lora=1e-4),
+    # nemotronh/h100/nemotron_3_super.py: nemotron_3_super_sft_16gpu_h100_bf16_config sets lr 5e-6,
+    # nemotron_3_super_peft_1gpu_h100_bf16_config 1e-4.
+    "nemotron3_super_120b_a12b": PresetLR(full=5e-6, lora=1e-4),
+}
+
+
+# The sequence length each preset is fine-tuned at: Megatron-Bridge's SFT recipes (the functions named above;
+# `_sft_common` sets 2048, the Nemotron-H recipes their 8K context), tiny the recipe's own default.
+PRESET_SEQ_LEN: dict[str, int] = {
+    "tiny": 128,
+    "nemotron_h_8b": 8192,
+    "nemotron_h_47b": 8192,
+    "nemotron_h_56b": 8192,
+    "nemotron_nano_9b_v2": 2048,
+    "nemotron3_nano_30b_a3b": 2048,
+    "nemotron3_super_120b_a12b": 2048,
+}
+
+
+def matching_preset(config: NemotronHConfig) -> str | None:
+    """The preset whose shapes `config` has (a released checkpoint's own config.json), if any."""
+    shape = ("pattern", "hidden_size", "num_attention_heads", "mamba_num_heads", "n_routed_experts")
+    for name, preset in PRESETS.items():
+        if all(getattr(config, f) == getattr(preset, f) for f in shape):
+            return name
+    return None

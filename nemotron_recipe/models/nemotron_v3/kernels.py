@@ -313,6 +313,12 @@ def _scan_forward(
     document_ids: torch.Tensor | None,
 ) -> list[torch.Tensor]:
     """The forward of `SSDChunkScan`: [y, then per block the tensors its backward reads]."""
+    y, saved, _ = _scan_forward_with_state(x, dt, A, B, C, D, chunk_size, document_ids)
+    return [y, *saved]
+
+
+def _scan_forward_with_state(x, dt, A, B, C, D, chunk_size, document_ids):
+    """(y, per block the tensors backward reads, the state after the last step [b,h,p,n])."""
     b, l, h, p = x.shape
     n = B.shape[3]
     q = chunk_size
@@ -332,7 +338,7 @@ def _scan_forward(
         kept = min(end, l) - start  # padded steps are cut off
         y[:, start:start + kept] = y_blk[:, :kept]
         saved.extend(tensors)
-    return [y, *saved]
+    return y, saved, state
 
 
 def _scan_forward_op(
@@ -453,6 +459,71 @@ def ssd_scan(
     if x.device.type == "cpu":
         chunk_size = cpu_chunk_size(chunk_size, x.shape[-1], B.shape[-1])
     return SSDChunkScan.apply(x, dt, A, B, C, D, chunk_size, document_ids)
+
+
+# ---------------------------------------------------------------------------------------- decoding
+def ssd_scan_final_state(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    chunk_size: int,
+    document_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ssd_scan` without autograd, also returning the state after the last step [b,h,p,n] in fp32:
+    the prefill of incremental decoding. With `document_ids` the state is the last document's alone."""
+    if x.is_cuda and _triton_scan() is not None:
+        seq_idx = None if document_ids is None else document_ids.to(torch.int32).contiguous()
+        y, state = _triton_scan()(x, dt, A, B, C, chunk_size, D=D, seq_idx=seq_idx, return_final_states=True)
+        return y, state.float()
+    if x.device.type == "cpu":
+        chunk_size = cpu_chunk_size(chunk_size, x.shape[-1], B.shape[-1])
+    y, _, state = _scan_forward_with_state(x, dt, A, B, C, D, chunk_size, document_ids)
+    return y, state.float()
+
+
+@functools.cache
+def _cuda_conv_update():
+    return _optional_kernel("causal_conv1d", "causal_conv1d_update")
+
+
+@functools.cache
+def _cuda_state_update():
+    return _optional_kernel("mamba_ssm.ops.triton.selective_state_update", "selective_state_update")
+
+
+def conv_step_silu(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """One decoding step of silu(causal depthwise conv): x [b, C] the new input, `window` [b, C, K]
+    the last K inputs (oldest first), shifted in place to end with x. Returns [b, C] in x's dtype.
+    `causal_conv1d_update` on CUDA when installed, else `ops.causal_conv1d_step`."""
+    from .ops import causal_conv1d_step  # ops holds the plain reference, as for the whole-sequence conv
+
+    # In x's dtype first, as the whole-sequence conv takes them (`causal_conv1d_silu`).
+    weight = weight.reshape(weight.shape[0], -1).to(x.dtype).contiguous()
+    bias = None if bias is None else bias.to(x.dtype)
+    if x.device.type in _KERNEL_DEVICES and _cuda_conv_update() is not None:
+        return _cuda_conv_update()(x, window, weight, bias, activation="silu")
+    return F.silu(causal_conv1d_step(x, window, weight, bias)).to(x.dtype)
+
+
+def ssm_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+             C: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """One decoding step of the scan: `state` [b,h,p,n] fp32 updated in place, x [b,h,p], dt [b,h]
+    (discretized), A [h], B/C [b,g,n], D [h] -> y [b,h,p] fp32. mamba_ssm's `selective_state_update`
+    on CUDA when installed, else `ssd.ssd_step`."""
+    from .ssd import ssd_step
+
+    if x.device.type in _KERNEL_DEVICES and _cuda_state_update() is not None:
+        h, p, n = x.shape[1], x.shape[2], B.shape[-1]
+        # The kernel takes per-(head, dim) dt, A and D; broadcast views (stride 0) cost no copies.
+        y = _cuda_state_update()(state, x.float(), dt.float()[..., None].expand(-1, -1, p),
+                                 A.float()[:, None, None].expand(h, p, n), B.float(), C.float(),
+                                 D=D.float()[:, None].expand(h, p), dt_softplus=False)
+        return y.float()
+    return ssd_step(state, x, dt, A, B, C, D)
 
 
 # ---------------------------------------------------------------------------------------- loss

@@ -25,11 +25,12 @@ adapters. The name and layout conversions to a PEFT adapter of transformers' `Ne
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -97,9 +98,12 @@ class LoRALinear(nn.Linear):
     """An `nn.Linear` carrying a low-rank update; made by `adapt_linear`, never built directly."""
 
     scaling: float
+    adapter_off = False  # set by `adapters_disabled`: the base alone computes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = nf4.linear(x, self.weight, self.bias) if nf4.is_nf4(self.weight) else F.linear(x, self.weight, self.bias)
+        if self.adapter_off:
+            return out
         low = self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype)))
         # Scaled at rank r, not at the output's width: one multiply of [tokens, r] per projection.
         return out + self.lora_B(low * self.scaling).to(out.dtype)
@@ -110,12 +114,28 @@ class LoRALMHead(LoRALinear, LMHead):
     GEMM per chunk as without the adapter, so the [tokens, vocab] logits still never exist at once."""
 
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None, chunk_size: int = 0):
+        if self.adapter_off:
+            return LMHead.forward(self, hidden, targets, chunk_size)
         if targets is None or not chunk_size or isinstance(self.weight, DTensor) or isinstance(hidden, DTensor):
             return LoRALinear.forward(self, hidden)
         low = self.lora_A(self.lora_dropout(hidden.to(self.lora_A.weight.dtype))) * self.scaling
         weight = torch.cat([self.weight, self.lora_B.weight.to(self.weight.dtype)], dim=1)
         return linear_cross_entropy_sum(torch.cat([hidden, low.to(hidden.dtype)], dim=-1), weight, targets,
                                         chunk_size)
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Within the block, every adapter of `model` is switched off: the frozen base alone computes
+    (DPO's reference=base), with no second copy of any weight."""
+    adapted = [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAEmbedding, ExpertLoRA))]
+    for m in adapted:
+        m.adapter_off = True
+    try:
+        yield
+    finally:
+        for m in adapted:
+            m.adapter_off = False
 
 
 def adapt_linear(linear: nn.Linear, spec: LoRASpec) -> LoRALinear:
@@ -155,8 +175,12 @@ class EmbeddingLoRA(nn.Module):
 class LoRAEmbedding(nn.Embedding):
     """An `nn.Embedding` with an `EmbeddingLoRA` child (`lora`); made by `adapt_embedding`."""
 
+    adapter_off = False
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out = super().forward(ids)
+        if self.adapter_off:
+            return out
         return out + self.lora(ids).to(out.dtype)
 
 
@@ -178,8 +202,12 @@ class ExpertLoRA(nn.Module):
         self.scaling = spec.scaling
         self.dropout = nn.Dropout(spec.dropout) if spec.dropout else nn.Identity()
 
+    adapter_off = False
+
     def forward(self, out: torch.Tensor, rows: torch.Tensor, groups: torch.Tensor | list[int]) -> torch.Tensor:
         """`out` plus the update for `rows` sorted by expert (`groups` as `expert_matmul` takes them)."""
+        if self.adapter_off:
+            return out
         # Under expert parallel A and B are split by expert like the experts' weights: this rank's part.
         a, b = local(self.A), local(self.B)
         if isinstance(groups, torch.Tensor):

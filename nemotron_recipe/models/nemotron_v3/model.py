@@ -26,11 +26,19 @@ from torch.distributed.tensor import DTensor
 from nemotron_recipe.distributed.expert_parallel import combine, dispatch
 from nemotron_recipe.distributed.tensor_parallel import vocab_parallel_cross_entropy
 
+from .cache import AttentionState, DecodeCache, MambaState
 from .config import NemotronHConfig
 from .context_parallel import context_parallel_attention, context_parallel_conv_and_scan
-from .kernels import causal_conv1d_silu, linear_cross_entropy_sum, ssd_scan
+from .kernels import (
+    causal_conv1d_silu,
+    conv_step_silu,
+    linear_cross_entropy_sum,
+    ssd_scan,
+    ssd_scan_final_state,
+    ssm_step,
+)
+from .ops import attention, causal_attention, causal_conv1d
 from .nf4 import experts_matmul_nf4
-from .ops import causal_attention, causal_conv1d
 from .ssd import discretize_dt, ssd_chunked
 
 if TYPE_CHECKING:  # the parallelizer sets the mixers' group
@@ -118,10 +126,15 @@ class Mamba2Mixer(_KeepFP32, nn.Module):
         self.norm = GatedGroupRMSNorm(h * p, self.d_group, config.layer_norm_epsilon)
         self.out_proj = nn.Linear(h * p, config.hidden_size, bias=config.use_bias)
 
-    def forward(self, hidden: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, document_ids: torch.Tensor | None = None,
+                cache: DecodeCache | None = None, layer: int = -1) -> torch.Tensor:
+        """With `cache` (decoding, see cache.py): the first call is the prefill, which stores this
+        block's conv window and state at `cache.layers[layer]`; later calls take one new token each."""
         zxbcdt = self.in_proj(hidden).unflatten(-1, (-1, self.d_group + self.conv_group + self.heads_per_group))
         z, xbc, dt = zxbcdt.split([self.d_group, self.conv_group, self.heads_per_group], dim=-1)
-        if self.context_parallel is None:
+        if cache is not None:
+            y = self._prefill(xbc, dt, cache, layer) if not cache.prefilled else self._step(xbc, dt, cache, layer)
+        elif self.context_parallel is None:
             y = self.conv_and_scan(xbc, dt, document_ids=document_ids)
         else:
             y = context_parallel_conv_and_scan(self, xbc, dt, self.context_parallel, document_ids)
@@ -165,6 +178,42 @@ class Mamba2Mixer(_KeepFP32, nn.Module):
                  D, self.chunk_size, document_ids)
         return y.to(xbc.dtype).unflatten(2, (g, r)).flatten(-2)
 
+    def _ssm_params(self):
+        bias = self.conv1d.bias
+        return (local(self.conv1d.weight), None if bias is None else local(bias), local(self.A_log), local(self.D),
+                local(self.dt_bias))
+
+    def _prefill(self, xbc: torch.Tensor, dt: torch.Tensor, cache: DecodeCache, layer: int) -> torch.Tensor:
+        """`conv_and_scan` of the prompts, keeping the conv window and the final SSM state."""
+        l, g = xbc.shape[1:3]
+        r, k = dt.shape[-1], self.conv1d.kernel_size[0]
+        weight, bias, A_log, D, dt_bias = self._ssm_params()
+        flat = xbc.flatten(2)
+        # The last k inputs, padding zeroed: a row shorter than the kernel starts from zeros, as the
+        # whole-sequence conv does at a document's start.
+        window = (flat[:, -k:] * cache.valid[:, max(l - k, 0):l, None]).transpose(1, 2)
+        window = F.pad(window, (k - window.shape[-1], 0)).contiguous()
+        document_ids = cache.document_ids(l)
+        xbc = causal_conv1d_silu(flat, weight, bias, document_ids)
+        x, B, C = xbc.unflatten(-1, (g, -1)).split([r * self.head_dim, self.state_size, self.state_size], dim=-1)
+        dt = discretize_dt(dt.flatten(2), dt_bias, self.dt_min)
+        y, state = ssd_scan_final_state(x.unflatten(-1, (r, self.head_dim)).flatten(2, 3), dt,
+                                        -torch.exp(A_log.float()), B, C, D, self.chunk_size, document_ids)
+        cache.layers[layer] = MambaState(conv=window, ssm=state)
+        return y.to(xbc.dtype).unflatten(2, (g, r)).flatten(-2)
+
+    def _step(self, xbc: torch.Tensor, dt: torch.Tensor, cache: DecodeCache, layer: int) -> torch.Tensor:
+        """One new token per row: xbc [b,1,g,r*p+2n], dt [b,1,g,r] -> y [b,1,g,r*p]."""
+        b, _, g = xbc.shape[:3]
+        r = dt.shape[-1]
+        weight, bias, A_log, D, dt_bias = self._ssm_params()
+        state = cache.layers[layer]
+        xbc = conv_step_silu(xbc.flatten(1), state.conv, weight, bias)
+        x, B, C = xbc.unflatten(-1, (g, -1)).split([r * self.head_dim, self.state_size, self.state_size], dim=-1)
+        dt = discretize_dt(dt.flatten(1), dt_bias, self.dt_min)
+        y = ssm_step(state.ssm, x.reshape(b, g * r, self.head_dim), dt, -torch.exp(A_log.float()), B, C, D)
+        return y.to(xbc.dtype).view(b, 1, g, r * self.head_dim)
+
 
 class Attention(nn.Module):
     """Grouped-query attention without positional encoding (NoPE)."""
@@ -180,14 +229,33 @@ class Attention(nn.Module):
 
     context_parallel: ContextParallel | None = None  # set by the parallelizer
 
-    def forward(self, hidden: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, document_ids: torch.Tensor | None = None,
+                cache: DecodeCache | None = None, layer: int = -1) -> torch.Tensor:
+        """With `cache` (decoding): the prefill stores the keys and values at `cache.layers[layer]`,
+        later calls append theirs and attend over every real position so far."""
         q, k, v = (proj(hidden).unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        if self.context_parallel is not None:
+        if cache is not None:
+            out = self._cached(q, k, v, cache, layer)
+        elif self.context_parallel is not None:
             out = context_parallel_attention(q, k, v, self.context_parallel, document_ids)
         else:
             out = causal_attention(q, k, v, document_ids)
         return self.o_proj(out.transpose(1, 2).flatten(2))
+
+    @staticmethod
+    def _cached(q, k, v, cache: DecodeCache, layer: int) -> torch.Tensor:
+        start, new = cache.length, q.shape[2]
+        if not cache.prefilled:
+            shape = (k.shape[0], k.shape[1], cache.capacity, k.shape[3])
+            cache.layers[layer] = AttentionState(k.new_empty(shape), v.new_empty(shape))
+        kv = cache.layers[layer]
+        kv.key[:, :, start:start + new] = k
+        kv.value[:, :, start:start + new] = v
+        if not cache.prefilled:  # padding is a document of its own, which no real query sees
+            return causal_attention(q, k, v, cache.document_ids(new))
+        keys, values = kv.key[:, :, :start + new], kv.value[:, :, :start + new]
+        return attention(q, keys, values, cache.keys_mask(new))
 
 
 
@@ -203,11 +271,19 @@ class MLP(nn.Module):
         return self.down_proj(F.relu(self.up_proj(x)).square())
 
 
+def top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the `k` largest values of each row; exact ties go to the lower index. `topk` leaves
+    ties to the kernel, and saturated sigmoid scores (exactly 1.0) or masked groups tie exactly, so
+    the choice would depend on the device and the kernel; a stable sort does not."""
+    return values.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 class Router(_KeepFP32, nn.Module):
     """Sigmoid scores; experts chosen with a load-balancing bias, weighted by the unbiased scores.
 
     Group-limited routing: a token first keeps the `topk_group` expert groups whose two best biased
-    scores sum highest, then takes its top-k experts inside them.
+    scores sum highest, then takes its top-k experts inside them. Exact ties go to the lower expert
+    index (`top_indices`); near-ties are as float rounding leaves them (docs/moe-routing.md).
     """
 
     fp32_params = ("weight", "e_score_correction_bias")
@@ -229,9 +305,9 @@ class Router(_KeepFP32, nn.Module):
             per_group = biased.unflatten(-1, (self.n_group, -1))
             group_score = per_group.topk(2, dim=-1).values.sum(-1)
             kept = torch.zeros_like(group_score, dtype=torch.bool)
-            kept.scatter_(1, group_score.topk(self.topk_group, dim=-1).indices, True)
+            kept.scatter_(1, top_indices(group_score, self.topk_group), True)
             biased = per_group.masked_fill(~kept[..., None], float("-inf")).flatten(1)
-        idx = biased.topk(self.top_k, dim=-1).indices
+        idx = top_indices(biased, self.top_k)
         weights = scores.gather(1, idx)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -426,7 +502,10 @@ class Block(nn.Module):
             self.mixer = _MIXERS[block_type](config)
 
     def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None,
-                token_mask: torch.Tensor | None = None) -> torch.Tensor:
+                token_mask: torch.Tensor | None = None, cache: DecodeCache | None = None,
+                layer: int = -1) -> torch.Tensor:
+        if cache is not None and self.block_type in ("mamba", "attention"):
+            return x + self.mixer(self.norm(x), cache=cache, layer=layer)
         if self.block_type in ("mamba", "attention"):
             return x + self.mixer(self.norm(x), document_ids=document_ids)
         if self.block_type == "moe" and token_mask is not None:
@@ -442,11 +521,17 @@ class NemotronHModel(nn.Module):
         self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
 
     def forward(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None,
-                token_mask: torch.Tensor | None = None) -> torch.Tensor:
+                token_mask: torch.Tensor | None = None, cache: DecodeCache | None = None) -> torch.Tensor:
+        """With `cache`: the final hidden state of the last position only, [b, 1, d]."""
         h = self.embeddings(input_ids)
-        for block in self.layers:
-            h = block(h, document_ids=document_ids, token_mask=token_mask)
-        return self.norm_f(h)
+        if cache is not None and not cache.prefilled:
+            token_mask = cache.token_mask(input_ids.shape[1])
+        for i, block in enumerate(self.layers):
+            if cache is None:
+                h = block(h, document_ids=document_ids, token_mask=token_mask)
+            else:
+                h = block(h, token_mask=token_mask, cache=cache, layer=i)
+        return self.norm_f(h if cache is None else h[:, -1:])
 
 
 @dataclass
@@ -503,6 +588,7 @@ class NemotronHForCausalLM(nn.Module):
         mtp_input_ids: torch.Tensor | None = None,
         mtp_targets: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
+        cache: DecodeCache | None = None,
     ) -> CausalLMOutput:
         """`labels` as in Hugging Face: aligned with `input_ids`, shifted here, -100 ignored.
         `document_ids` [b,l] marks packed documents, which then never see each other.
@@ -516,7 +602,14 @@ class NemotronHForCausalLM(nn.Module):
         main + mtp_loss_scale * mtp_loss_sum / (main's trained tokens). `mtp_input_ids` and
         `mtp_targets` [b, l, depths] (`mtp.shift_for_mtp` of the whole sequences) are required when
         the sequence is split over context-parallel ranks; otherwise they are made here.
-        `token_mask` [b, l] (false at padding) keeps padding out of the MoE balance loss."""
+        `token_mask` [b, l] (false at padding) keeps padding out of the MoE balance loss.
+
+        `cache` (incremental decoding, cache.py; no MTP, no loss): the first call prefills the
+        left-padded prompts `input_ids` [b, L] whose real tokens `cache` marks, later calls take the
+        next token of each row [b, 1]; either returns the logits of the last position [b, 1, vocab]
+        and advances the cache."""
+        if cache is not None:
+            return self._decode(input_ids, cache)
         hidden = self.model(input_ids, document_ids, token_mask)
         if labels is not None and targets is None and self._runs_mtp():
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)
@@ -536,6 +629,17 @@ class NemotronHForCausalLM(nn.Module):
             trained = (labels[:, 1:] != -100).sum().clamp(min=1)
             loss = loss + self.config.effective_mtp_loss_scale * mtp_loss_sum / trained
         return CausalLMOutput(logits=logits, loss=loss, mtp_loss_sum=mtp_loss_sum)
+
+    def _decode(self, input_ids: torch.Tensor, cache: DecodeCache) -> CausalLMOutput:
+        new = input_ids.shape[1]
+        if cache.prefilled:
+            if new != 1:
+                raise ValueError(f"decoding takes one token per row a step; got input_ids of shape "
+                                 f"{tuple(input_ids.shape)} after the prefill")
+            cache.begin_step(new)
+        logits = self.lm_head(self.model(input_ids, cache=cache)).float()
+        cache.advance(new)
+        return CausalLMOutput(logits=logits)
 
     def _runs_mtp(self) -> bool:
         """MTP layers run in training only, and not at all with a zero loss scale (their weights are kept)."""

@@ -27,6 +27,18 @@ def causal_conv1d(
     return out
 
 
+def causal_conv1d_step(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """One step of the depthwise causal convolution, for decoding: `window` [b, C, K] holds the last K
+    inputs (oldest first) and is shifted in place to end with x [b, C]; weight [C, K]. Returns the
+    conv output [b, C] in fp32 (fp64 for fp64 inputs), as the whole-sequence conv accumulates."""
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    window[..., :-1] = window[..., 1:].clone()
+    window[..., -1] = x
+    out = (window.to(ct) * weight.to(ct)).sum(-1)
+    return out if bias is None else out + bias.to(ct)
+
+
 def flash_can_run(dtype: torch.dtype, head_dim: int, masked: bool) -> bool:
     """Whether CUDA's flash attention kernel takes the call: half precision, head dim at most 256 and
     a multiple of 8, no mask. It is the only CUDA kernel that takes grouped kv heads (`enable_gqa`)."""

@@ -139,6 +139,24 @@ def _states_entering_chunks(chunk_states: torch.Tensor, chunk_decay: torch.Tenso
     return torch.stack(states_in, dim=1)
 
 
+def ssd_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+             C: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """One step of the recurrence, for decoding: `state` [b,h,p,n] (fp32) updated in place, x [b,h,p],
+    dt [b,h] (discretized), A [h], B/C [b,g,n], D [h] -> y [b,h,p] in fp32.
+
+    Per group, the heads' rows of the state ([r*p, n]) share B and C: the update is one rank-1
+    `baddbmm` and the read-out one matrix-vector product, with no [b,h,p,n] temporary."""
+    b, h, p = x.shape
+    g, n = B.shape[1], B.shape[2]
+    x, dt = x.float(), dt.float()
+    rows = state.view(b * g, (h // g) * p, n)
+    decay = torch.exp(dt * A.float())  # [b,h]
+    rows.mul_(decay[..., None].expand(b, h, p).reshape(b * g, -1, 1))
+    rows.baddbmm_((x * dt[..., None]).view(b * g, -1, 1), B.float().view(b * g, 1, n))
+    y = torch.bmm(rows, C.float().view(b * g, n, 1)).view(b, h, p)
+    return y + x * D.float()[:, None]
+
+
 def ssd_naive(
     x: torch.Tensor,
     dt: torch.Tensor,

@@ -54,9 +54,12 @@ TRACE_WHOLE_MAX_BLOCKS = 16
 class Workload:
     """One micro-batch as one rank sees it."""
 
-    micro_batch: int
+    micro_batch: int  # sequences (objective=dpo: two per pair)
     seq_len: int  # the full sequence; context parallel gives each cp rank seq_len / cp of it
     loss_chunk_size: int | None = None
+    # objective=dpo with reference=base or copy: a no-grad forward of the micro-batch before the policy's.
+    # Its activations are freed before the policy's forward starts, so only its time counts.
+    reference_forward: bool = False
 
 
 @dataclass(frozen=True)

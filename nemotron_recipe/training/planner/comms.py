@@ -18,8 +18,11 @@ ranks sends S (n-1)/n, an all-reduce twice that, an all-to-all S (n-1)/n of what
   all-to-alls in forward and two in backward, two more where the block is recomputed (selective
   recomputation runs the exchange again too). Routing is taken as balanced, as the traced step
   takes it (`expert_parallel._balanced_guess`): a rank keeps its own share of rows and sends the rest.
+- CPU offload (`fsdp.offload`): the sharded state lives in host memory, so every gather first copies
+  the rank's parameter shard host-to-device, and every micro-batch's reduced gradient shard goes back
+  device-to-host, over the host link (PCIe).
 The floor assumes perfect overlap: the larger of compute at `tflops_per_device` and the traffic of
-each group over its link (NVLink inside a node, InfiniBand across nodes).
+each group over its link (NVLink inside a node, InfiniBand across nodes, PCIe to the host).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class Hardware:
     link_gbps: float = 3600.0  # NVLink 4: 450 GB/s per direction
     ib_gbps: float = 400.0  # one NDR InfiniBand port per GPU
     devices_per_node: int = 8
+    pcie_gbps: float = 512.0  # host link: PCIe Gen5 x16, 64 GB/s per direction
 
 
 def _ring(size: int, n: int) -> float:
@@ -73,6 +77,14 @@ def fsdp_bytes(plan: ParallelPlan, state: StateBytes, micro_batches: int) -> dic
     if plan.dp_replicate > 1:
         out["hsdp_all_reduce"] = micro_batches * 2 * _ring(trained * _bytes(plan.reduce_dtype), plan.dp_replicate)
     return out
+
+
+def offload_bytes(plan: ParallelPlan, state: StateBytes, micro_batches: int) -> dict[str, float]:
+    """Host-device copies of CPU offload: the parameter shard in for each gather, the gradient shard out."""
+    if not plan.offload:
+        return {}
+    gathers = 1 if plan.reshard_after_forward is False else 2
+    return {"offload_h2d": micro_batches * gathers * state.params, "offload_d2h": micro_batches * state.grads}
 
 
 def activation_bytes(config: NemotronHConfig, plan: ParallelPlan, work: Workload, micro_batches: int) -> dict[str, float]:
@@ -156,8 +168,10 @@ def step_floor(config: NemotronHConfig, plan: ParallelPlan, work: Workload, traf
                micro_batches: int, hw: Hardware) -> dict[str, float]:
     """Seconds of compute and of traffic per step on one rank, and their maximum (the floor)."""
     flops = training_flops(config, work.micro_batch, work.seq_len) / (plan.tp * plan.cp)
-    if plan.ac.mode in ("full", "blocks", "every_nth"):
-        flops += sum(forward_flops(config, work.micro_batch, work.seq_len).values()) / (plan.tp * plan.cp)
+    recomputed = plan.ac.mode in ("full", "blocks", "every_nth")
+    forwards = int(recomputed) + int(work.reference_forward)
+    if forwards:
+        flops += forwards * sum(forward_flops(config, work.micro_batch, work.seq_len).values()) / (plan.tp * plan.cp)
     compute = micro_batches * flops / (hw.tflops_per_device * 1e12)
     dp_stride = plan.tp * plan.cp
     groups = {
@@ -168,6 +182,8 @@ def step_floor(config: NemotronHConfig, plan: ParallelPlan, work: Workload, traf
         "moe_tp_all_reduce": _link(1, plan.tp, hw),
         "cp_exchange": _link(plan.tp, plan.cp, hw),
         "ep_all_to_all": _link(plan.tp, plan.ep, hw),
+        "offload_h2d": hw.pcie_gbps,
+        "offload_d2h": hw.pcie_gbps,
     }
     comm = sum(traffic[k] * 8 / (groups[k] * 1e9) for k in traffic)
     return {"compute_s": compute, "comm_s": comm, "floor_s": max(compute, comm)}

@@ -35,6 +35,7 @@ class MemoryEstimate:
     trace: ActivationTrace | None
     grad_accum: int = 1
     offload: bool = False
+    reference: int = 0  # DPO's reference=copy: its frozen parameters, held beside the policy's
 
     @property
     def activations(self) -> int:
@@ -54,13 +55,13 @@ class MemoryEstimate:
 
     @property
     def device_total(self) -> int:
-        resident = 0 if self.offload else self.state.params + self.state.optimizer
+        resident = 0 if self.offload else self.state.params + self.state.optimizer + self.reference
         return resident + self.step
 
     @property
     def host_total(self) -> int:
         """Bytes FSDP's CPU offload keeps in host memory (0 without offload)."""
-        return self.state.total if self.offload else 0
+        return self.state.total + self.reference if self.offload else 0
 
 
 class Planner:

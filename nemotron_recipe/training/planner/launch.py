@@ -12,7 +12,7 @@ from nemotron_recipe.distributed.plan import ParallelPlan
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig
 
 from .activations import Workload
-from .comms import Hardware, activation_bytes, fsdp_bytes, moe_tp_bytes, step_floor
+from .comms import Hardware, activation_bytes, fsdp_bytes, moe_tp_bytes, offload_bytes, step_floor
 from .estimate import MemoryEstimate, Planner
 from .world import Trainability
 
@@ -31,17 +31,23 @@ class Launch:
     budget: int  # bytes of device memory per rank
     device: str = "cuda"  # what the budget is: a GPU's memory, or host memory ("cpu")
     hardware: Hardware = field(default_factory=Hardware)
+    reference_copy: bool = False  # objective=dpo reference=copy: a frozen copy of the weights, sharded alike
 
     @classmethod
     def from_config(cls, cfg: Any, world_size: int, budget: int, device: str = "cuda",
                     hardware: Hardware | None = None, *, validated: tuple | None = None) -> Launch:
         """`validate_config`'s checks for `world_size` ranks, so a mesh that cannot work fails with
         the message the launch would give."""
-        config, plan = validated or validate_config(cfg, world_size)
+        config, plan = validated or validate_config(cfg, world_size, weights=False)
         t = cfg.trainer
         accum = max(t.global_batch_size // (t.micro_batch_size * plan.dp_size), 1)
-        work = Workload(t.micro_batch_size, t.seq_len, t.loss_chunk_size or None)
-        return cls(config, plan, work, accum, Trainability.from_config(cfg), budget, device, hardware or Hardware())
+        # objective=dpo: batches count pairs, each two sequences (chosen, rejected) of one forward.
+        dpo = cfg.objective.name == "dpo"
+        reference = cfg.objective.reference if dpo else None
+        work = Workload(t.micro_batch_size * (2 if dpo else 1), t.seq_len, t.loss_chunk_size or None,
+                        reference_forward=reference in ("base", "copy"))
+        return cls(config, plan, work, accum, Trainability.from_config(cfg), budget, device, hardware or Hardware(),
+                   reference_copy=reference == "copy")
 
 
 @dataclass(frozen=True)
@@ -60,8 +66,14 @@ class Outcome:
 
 def evaluate(planner: Planner, launch: Launch) -> Outcome:
     est = planner.estimate(launch.plan, grad_accum=launch.grad_accum, budget=launch.budget, work=launch.work)
+    if launch.reference_copy:  # the copy's parameters are the policy's, frozen (an adapter's worth more)
+        est = dataclasses.replace(est, reference=est.state.params)
     traffic = {**fsdp_bytes(launch.plan, est.state, launch.grad_accum),
-               **activation_bytes(launch.config, launch.plan, launch.work, launch.grad_accum)}
+               **activation_bytes(launch.config, launch.plan, launch.work, launch.grad_accum),
+               **offload_bytes(launch.plan, est.state, launch.grad_accum)}
+    if launch.work.reference_forward and "fsdp_all_gather" in traffic:  # the reference forward gathers once more
+        gathers = 1 if launch.plan.reshard_after_forward is False else 2
+        traffic["fsdp_all_gather"] *= (gathers + 1) / gathers
     if moe_tp := moe_tp_bytes(launch.config, launch.plan, est.state, launch.grad_accum):
         traffic["moe_tp_all_reduce"] = moe_tp
     time = step_floor(launch.config, launch.plan, launch.work, traffic, launch.grad_accum, launch.hardware)

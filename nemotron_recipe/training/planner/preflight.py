@@ -64,7 +64,8 @@ def preflight(cfg: Any, validated: tuple, world_size: int) -> None:
              f"(parameters {outcome.estimate.state.params / GIB:.2f}, gradients {outcome.estimate.state.grads / GIB:.2f}, "
              f"optimizer {outcome.estimate.state.optimizer / GIB:.2f} GiB, plus activations), but the {kind} has "
              f"{budget / GIB:.2f} GiB per rank. Fix, ranked:")]
-    lines += suggestion_lines(suggest(planner, launch, outcome, limit=5))
+    lines += suggestion_lines(suggest(planner, launch, outcome, limit=5)) or [
+        "  no single change tried fits (up to 64x the ranks): a smaller model or a device with more memory"]
     lines.append("Plan other layouts with `python -m recipes.plan <the same overrides>`, or skip this check with "
                  "trainer.preflight=false.")
     message = "\n".join(lines)

@@ -30,17 +30,19 @@ def as_dict(outcome: Outcome, suggestions: list[Suggestion]) -> dict[str, Any]:
         "micro_batch_size": w.micro_batch, "seq_len": w.seq_len, "grad_accum_steps": launch.grad_accum,
         "per_rank_gib": {
             "params": _gib(est.state.params), "grads": _gib(est.state.grads), "optimizer": _gib(est.state.optimizer),
+            "reference": _gib(est.reference),
             "activations": _gib(est.activations) if est.trace else None,
             "total": _gib(est.device_total), "host_offloaded": _gib(est.host_total),
         },
         "per_rank_bytes": {"params": est.state.params, "grads": est.state.grads, "optimizer": est.state.optimizer,
+                           "reference": est.reference,
                            "activations": est.activations if est.trace else None, "total": est.device_total},
         "device_memory_gib": _gib(launch.budget), "device": launch.device,
         "verdict": verdict(outcome), "fits": outcome.fits,
         "bytes_per_rank_per_step": {k: int(v) for k, v in outcome.traffic.items()},
         "step_time_s": dict(outcome.time),
         "hardware": {"tflops_per_device": hw.tflops_per_device, "link_gbps": hw.link_gbps, "ib_gbps": hw.ib_gbps,
-                     "devices_per_node": hw.devices_per_node},
+                     "devices_per_node": hw.devices_per_node, "pcie_gbps": hw.pcie_gbps},
         "suggestions": [{"change": s.change, "total_gib": _gib(s.outcome.estimate.device_total),
                          "fits": s.outcome.fits, "floor_s": s.outcome.time["floor_s"]}
                         for s in suggestions],
@@ -79,8 +81,12 @@ def as_text(outcome: Outcome, suggestions: list[Suggestion]) -> str:
     t = d["step_time_s"]
     lines.append(f"step-time floor {t['floor_s']:.3f} s (compute {t['compute_s']:.3f} s at {hw['tflops_per_device']:g} "
                  f"TFLOP/s, traffic {t['comm_s']:.3f} s at {hw['link_gbps']:g} Gbit/s in a node of "
-                 f"{hw['devices_per_node']}, {hw['ib_gbps']:g} Gbit/s across; perfect overlap)")
+                 f"{hw['devices_per_node']}, {hw['ib_gbps']:g} Gbit/s across, {hw['pcie_gbps']:g} Gbit/s to the host; "
+                 "perfect overlap)")
     if suggestions:
-        lines.append("changes, ranked (fitting ones fastest first):")
+        lines.append("faster layouts that also fit, fastest first:" if d["fits"] else "changes that fit, fastest first:")
         lines += suggestion_lines(suggestions)
+    elif not d["fits"]:
+        lines.append("no change tried fits (one split, precision, offload, LoRA or checkpointing change at a time, two "
+                     "memory savers together, up to 64x the ranks): a smaller model or more memory per device is needed")
     return "\n".join(lines)

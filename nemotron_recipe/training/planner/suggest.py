@@ -3,7 +3,9 @@
 Each candidate changes one thing (more ranks, another split of the same ranks, another
 checkpointing mode, precision or offload, LoRA, a smaller micro-batch), is run through the real
 parallelizer in the fake world like the launch itself, and is dropped where the parallelizer or the
-plan refuses it. Those that fit come first, fastest step-time floor first; then the rest, smallest first.
+plan refuses it. Only changes that fit are listed, fastest step-time floor first. A launch that fits
+gets the changes that make it faster at no cost in fit: expert parallel for MoE models, sequence parallel
+where tensor parallel runs without it (`speedups`).
 """
 
 from __future__ import annotations
@@ -33,9 +35,29 @@ class Suggestion:
     outcome: Outcome
 
 
+def _sequence_parallel(launch: Launch) -> Iterator[tuple[str, Launch]]:
+    """Tensor parallel without sequence parallel keeps whole activations on every tp rank."""
+    if launch.plan.tp > 1 and not launch.plan.sequence_parallel:
+        yield "mesh.sequence_parallel=true", with_plan(launch, sequence_parallel=True)
+
+
+def _expert_parallel(launch: Launch, max_ep: int) -> Iterator[tuple[str, Launch]]:
+    """The widest expert parallel (up to `max_ep`, a node) that divides the experts and the dp x cp ranks:
+    each rank keeps its own experts whole instead of gathering every expert's shards."""
+    p, experts = launch.plan, launch.config.n_routed_experts
+    if "E" not in launch.config.pattern or p.ep > 1:
+        return
+    ep = 1
+    while ep * 2 <= max_ep and (p.dp_shard * p.cp) % (ep * 2) == 0 and experts % (ep * 2) == 0:
+        ep *= 2
+    if ep > 1:
+        yield f"mesh.ep={ep}", with_plan(launch, ep=ep)
+
+
 def _split_candidates(launch: Launch) -> Iterator[tuple[str, Launch]]:
-    """Other splits of the same ranks: full sharding, more tensor or context parallel."""
+    """Other splits of the same ranks: full sharding, sequence parallel, more tensor, context or expert parallel."""
     p = launch.plan
+    yield from _sequence_parallel(launch)
     if p.dp_replicate > 1:
         yield "mesh.dp_replicate=1", with_plan(launch, dp_replicate=1, dp_shard=p.dp_shard * p.dp_replicate)
     if p.dp_shard % 2 == 0 and p.tp * 2 <= MAX_TP and (p.dp_shard // 2 * p.cp) % p.ep == 0:
@@ -73,20 +95,19 @@ def _memory_candidates(launch: Launch) -> Iterator[tuple[str, Callable[[Launch],
 
 
 def _more_ranks(planners: dict, launch: Launch, base: Outcome) -> Iterator[tuple[str, Outcome]]:
-    """The fewest ranks (the launch's times a power of 2) that fit, sharding over the added ones.
+    """The fewest ranks (the launch's times a power of 2, up to 64) that fit, sharding over the added ones.
 
     Added data-parallel ranks shard the state and gradients, never a micro-batch's activations: a world
     whose resident state plus the launch's traced activations exceeds the budget cannot fit, and is
-    passed over untraced (the largest world is traced, to report what it would need)."""
+    passed over untraced. None when no such world fits."""
     p, floor = launch.plan, base.estimate.activations
     factor = 2
     while factor <= MAX_WORLD_FACTOR:
-        more, last = with_plan(launch, dp_shard=p.dp_shard * factor), factor == MAX_WORLD_FACTOR
-        probe = more if last else dataclasses.replace(more, budget=max(more.budget - floor, 0))
-        outcome = _evaluate(planners, probe)
+        more = with_plan(launch, dp_shard=p.dp_shard * factor)
+        outcome = _evaluate(planners, dataclasses.replace(more, budget=max(more.budget - floor, 0)))
         if outcome is not None:
             outcome = dataclasses.replace(outcome, launch=more)  # judged against the real budget
-            if outcome.fits or last:
+            if outcome.fits:
                 yield f"plan.world_size={more.plan.world_size} (launch {more.plan.world_size} ranks)", outcome
                 return
         factor *= 2
@@ -99,6 +120,20 @@ def _evaluate(planners: dict, launch: Launch) -> Outcome | None:
         return evaluate(planner, launch)
     except (ParallelConfigError, ValueError, RuntimeError):
         return None  # the parallelizer (or the plan) refuses this variant
+
+
+def _faster(planners: dict, found: list[Suggestion]) -> list[Suggestion]:
+    """The fastest fitting change with expert parallel (MoE models) or sequence parallel (tp without it)
+    on top, where that still fits: they rarely save memory, so alone they seldom make a launch fit."""
+    if not found:
+        return []
+    best = found[0]
+    launch = best.outcome.launch
+    out = []
+    for change, variant in (*_expert_parallel(launch, launch.hardware.devices_per_node), *_sequence_parallel(launch)):
+        if change not in best.change and (outcome := _evaluate(planners, variant)) is not None and outcome.fits:
+            out.append(Suggestion(f"{best.change} {change}", outcome))
+    return out
 
 
 def suggest(planner: Planner, launch: Launch, base: Outcome, *, limit: int = 8) -> list[Suggestion]:
@@ -121,9 +156,20 @@ def suggest(planner: Planner, launch: Launch, base: Outcome, *, limit: int = 8) 
         _, second, apply_second = next((m for m in ranked[1:] if m[1] == "ac=full"), ranked[1])
         if (outcome := _evaluate(planners, apply_second(apply_first(launch)))) is not None:
             found.append(Suggestion(f"{first} {second}", outcome))
-    # Only changes that help; one whose state alone still does not fit (not traced) helps only if smaller.
-    found = [s for s in found if s.outcome.fits or s.outcome.estimate.device_total < base.estimate.device_total]
-    found.sort(key=lambda s: (not s.outcome.fits, s.outcome.time["floor_s"] if s.outcome.fits else 0,
-                              s.outcome.estimate.device_total))
+    found = [s for s in found if s.outcome.fits]  # a change that does not fit is no answer
+    found.sort(key=lambda s: (s.outcome.time["floor_s"], s.outcome.estimate.device_total))
+    found = sorted(found + _faster(planners, found), key=lambda s: (s.outcome.time["floor_s"],
+                                                                    s.outcome.estimate.device_total))
     more = [Suggestion(change, o) for change, o in _more_ranks(planners, launch, base)]
     return (found[:limit - len(more)] + more)[:limit]
+
+
+def speedups(planner: Planner, launch: Launch, *, limit: int = 8) -> list[Suggestion]:
+    """For a launch that fits: expert parallel (MoE models) and sequence parallel (tp without it), where
+    they still fit, fastest first."""
+    planners = {(id(launch.config), launch.trainability, launch.work): planner}
+    found = []
+    for change, variant in (*_expert_parallel(launch, launch.hardware.devices_per_node), *_sequence_parallel(launch)):
+        if (outcome := _evaluate(planners, variant)) is not None and outcome.fits:
+            found.append(Suggestion(change, outcome))
+    return sorted(found, key=lambda s: s.outcome.time["floor_s"])[:limit]

@@ -1,0 +1,148 @@
+"""A DPO step against an SFT step on the same pairs, and DPO's reference=copy against reference=base.
+
+    python -m benchmarks.dpo --preset h1024 --dtype bf16
+    python -m benchmarks.dpo --preset h1024 --hidden 512 --pairs 2 --prompt-len 64 --response-len 64
+
+One process, LoRA (rank 8 on the default targets, fp32 adapters over a base stored in `--dtype`). Every
+step is forward, backward and an AdamW step on the same batch of `--pairs` pairs (2 x pairs sequences
+of prompt + response tokens, the response trained):
+- `sft`: the recipe's SFT loss on the chosen and rejected sequences together (`forward_loss_sum`);
+- `dpo base`: DPO with the reference the base with the adapters switched off (`BaseReference`): a
+  no-grad forward of the 2 x pairs sequences, then the policy's forward and backward (`sequence_logps`,
+  `preference_loss`, the objective's own functions);
+- `dpo copy`: the same with the reference a frozen copy of the base (`CopyReference`).
+The steps alternate within each round, so load on a shared machine falls on all alike; each reports
+its median. Parameter memory: the bytes of the distinct parameter and buffer storages the step's
+models hold (the policy, plus the copy under reference=copy).
+
+Each run appends a row to a table in benchmarks/RESULTS.md with the exact command (`--no-record` to skip).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import statistics
+import sys
+
+import torch
+
+from benchmarks.results import append_row, measured, mib
+from benchmarks.throughput import BENCH_PRESETS, device_name, interleaved_times
+from nemotron_recipe.models.nemotron_v3 import PRESETS, NemotronHForCausalLM
+from nemotron_recipe.models.nemotron_v3.lora import DEFAULT_TARGETS, LoRASpec, add_adapters, freeze_base, init_adapters
+from nemotron_recipe.training.loss import IGNORE_INDEX, forward_loss_sum
+from nemotron_recipe.training.objectives.dpo_loss import preference_loss, sequence_logps
+from nemotron_recipe.training.objectives.reference import BaseReference, CopyReference
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+HEADER = ("| date (commit) | device | model | base dtype | pairs x (prompt + response) | sft s/step | dpo base s/step | "
+          "dpo copy s/step | dpo base / sft | copy / base | parameter memory: sft / base adds / copy adds | command |")
+
+
+def build(cfg, dtype: torch.dtype, seed: int, adapters: bool, device: torch.device) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = NemotronHForCausalLM(cfg).to(dtype)
+    if adapters:
+        add_adapters(model, LoRASpec(rank=8, alpha=32.0, target_modules=tuple(DEFAULT_TARGETS)))
+        init_adapters(model, seed)
+        freeze_base(model)
+        with torch.no_grad():  # a trained adapter, so policy and reference differ as mid-run
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    p.normal_(0, 0.02)
+    else:
+        model.requires_grad_(False).eval()
+    return model.to(device)
+
+
+def pairs_batch(vocab: int, pairs: int, prompt: int, response: int, device: torch.device):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2 * pairs, prompt + response), generator=g)
+    ids[pairs:, :prompt] = ids[:pairs, :prompt]  # the halves of a pair share their prompt
+    targets = torch.roll(ids, -1, dims=1)
+    targets[:, : prompt - 1] = IGNORE_INDEX
+    targets[:, -1] = IGNORE_INDEX
+    return ids.to(device), targets.to(device)
+
+
+def held_bytes(*models: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for model in models:
+        for t in [*model.parameters(), *model.buffers()]:
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="h1024")
+    parser.add_argument("--hidden", type=int, default=None, help="override hidden_size (a reduced size)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--response-len", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args(argv)
+
+    cfg = {**PRESETS, **BENCH_PRESETS}[args.preset]
+    if args.hidden:
+        cfg = dataclasses.replace(cfg, hidden_size=args.hidden)
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    policy = build(cfg, dtype, 0, adapters=True, device=device)
+    copy = build(cfg, dtype, 0, adapters=False, device=device)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-5)
+    ids, targets = pairs_batch(cfg.vocab_size, args.pairs, args.prompt_len, args.response_len, device)
+    batch = {"input_ids": ids, "targets": targets}
+
+    def logps(model, b):
+        return sequence_logps(model(b["input_ids"]).logits, b["targets"])
+
+    def finish():
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def sft():
+        forward_loss_sum(policy, ids, targets, backward_denominator=(targets != IGNORE_INDEX).sum())
+        finish()
+
+    def dpo(reference):
+        def step():
+            ref = reference.logps(batch, "train").float()
+            pol = logps(policy, batch)
+            p = args.pairs
+            preference_loss(pol[:p], pol[p:], ref[:p], ref[p:], beta=0.1).losses.mean().backward()
+            finish()
+        return step
+
+    steps = {"sft": sft, "dpo base": dpo(BaseReference(policy, logps)), "dpo copy": dpo(CopyReference(copy, logps))}
+    times, cpu = interleaved_times(steps, device, args.warmup, args.rounds)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+    memory = {"sft": held_bytes(policy), "dpo base": held_bytes(policy), "dpo copy": held_bytes(policy, copy)}
+    for k in steps:
+        print(f"{k:9s} {med[k]:.3f} s/step (cpu {med_cpu[k]:.3f} s)  parameter memory {memory[k] / 2**20:.1f} MiB")
+    base_ratio, copy_ratio = med["dpo base"] / med["sft"], med["dpo copy"] / med["dpo base"]
+    print(f"dpo base / sft: {base_ratio:.2f}x (cpu {med_cpu['dpo base'] / med_cpu['sft']:.2f}x), parameter memory "
+          f"+{(memory['dpo base'] - memory['sft']) / 2**20:.1f} MiB; dpo copy / dpo base: {copy_ratio:.2f}x, "
+          f"+{(memory['dpo copy'] - memory['dpo base']) / 2**20:.1f} MiB")
+    if args.no_record:
+        return
+    size = args.preset + (f" (hidden {args.hidden})" if args.hidden else "")
+    command = "python -m benchmarks.dpo " + shlex.join(argv if argv is not None else sys.argv[1:])
+    append_row(HEADER, (
+        f"| {measured()} | {device_name(device)} | {size} | {args.dtype} | {args.pairs} x "
+        f"({args.prompt_len} + {args.response_len}) | {med['sft']:.3f} | {med['dpo base']:.3f} | "
+        f"{med['dpo copy']:.3f} | {base_ratio:.2f}x (cpu {med_cpu['dpo base'] / med_cpu['sft']:.2f}x) | "
+        f"{copy_ratio:.2f}x (cpu {med_cpu['dpo copy'] / med_cpu['dpo base']:.2f}x) | {mib(memory['sft'])} / "
+        f"+{mib(memory['dpo base'] - memory['sft'])} / +{mib(memory['dpo copy'] - memory['dpo base'])} | `{command}` |"))
+
+if __name__ == "__main__":
+    main()
