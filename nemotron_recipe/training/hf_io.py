@@ -52,6 +52,8 @@ from nemotron_recipe.models.nemotron_v3.checkpoint import (
     safetensors_files,
     weight_file_problem,
 )
+from nemotron_recipe.models.nemotron_v3.fp8 import auxiliary as fp8_auxiliary
+from nemotron_recipe.models.nemotron_v3.fp8 import checkpoint_fp8_format, is_fp8
 from nemotron_recipe.training.checkpoint import (
     Checkpointer,
     check_tensors,
@@ -107,6 +109,7 @@ class _SafetensorsIndex:
             for name in handle.keys():
                 self.handles[name] = handle
         self.used: set[str] = set()
+        self.fp8 = checkpoint_fp8_format(path)  # FP8 weights are read as float32 (fp8.py)
 
     def find(self, native: str) -> str | None:
         """The file name of a native tensor name: released (`backbone.*`) or transformers (`model.*`) layout."""
@@ -121,7 +124,19 @@ class _SafetensorsIndex:
     def read(self, name: str, box: list[tuple[int, int]]) -> torch.Tensor:
         self.used.add(name)
         piece = self.handles[name].get_slice(name)[tuple(slice(a, b) for a, b in box)]
+        if self.fp8 is not None and is_fp8(piece):
+            piece = self.fp8.dequantize(name, piece, box, self._whole, self.shape(name))
         return piece
+
+    def _whole(self, name: str) -> torch.Tensor:
+        if name not in self.handles:
+            raise KeyError(name)
+        return self.handles[name].get_tensor(name)
+
+    def unexpected(self) -> list[str]:
+        """The checkpoint's tensors nothing read; an FP8 checkpoint's scales are read with their weights."""
+        left = self.handles.keys() - self.used
+        return sorted(n for n in left if self.fp8 is None or not fp8_auxiliary(n))
 
 
 def _load_per_expert(files: _SafetensorsIndex, name: str, shape: tuple[int, ...], local: torch.Tensor, box,
@@ -192,7 +207,7 @@ def load_hf_sharded(
                 value = files.read(source, box)
             local.copy_(value)
 
-        unexpected = sorted(files.handles.keys() - files.used)
+        unexpected = files.unexpected()
     if bad:
         raise CheckpointError(
             f"{path}: tensor shapes differ from the model's (name, file, model): {bad[:6]}"

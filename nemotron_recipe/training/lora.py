@@ -32,8 +32,12 @@ from nemotron_recipe.models.nemotron_v3 import (
     NemotronHForCausalLM,
     build_meta_model,
 )
-from nemotron_recipe.models.nemotron_v3.checkpoint import in_saved_dtypes, safetensors_files
+from nemotron_recipe.models.nemotron_v3.checkpoint import (
+    in_saved_dtypes,
+    safetensors_files,
+)
 from nemotron_recipe.models.nemotron_v3.lora import (
+    PEFT_PREFIX,
     ExpertAdapters,
     LoRAEmbedding,
     LoRAError,
@@ -41,13 +45,14 @@ from nemotron_recipe.models.nemotron_v3.lora import (
     LoRASpec,
     adapter_parameters,
     add_adapters,
-    PEFT_PREFIX,
     from_peft,
     init_adapters,
     merged_embedding,
     merged_experts,
     merged_weight,
+    nf4_targets,
     peft_targets,
+    quantize_base,
     remove_linear_adapter,
     set_full_values,
     to_peft,
@@ -56,7 +61,9 @@ from nemotron_recipe.training.checkpoint import load_here
 
 log = logging.getLogger(__name__)
 
-BASE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# The dtype a base is built and read in; an nf4 base is read in bf16 and quantized once the adapters are
+# added (`quantize_nf4_base`), and its export merges into those bf16 weights, not the 4-bit ones.
+BASE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "nf4": torch.bfloat16}
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # The LoRA factors of the Mamba2 out_proj adapters, which the PEFT files carry merged (modules_to_save).
@@ -110,6 +117,16 @@ def peft_record(cfg: Any, spec: LoRASpec, base: dict[str, Any], targets: list[st
 def store_base(model: NemotronHForCausalLM, cfg: Any) -> None:
     """The base in `peft.base_dtype`, the SSM terms and the router kept fp32 (a meta model too)."""
     model.to(BASE_DTYPES[cfg.peft.base_dtype])
+
+
+def quantize_nf4_base(model: NemotronHForCausalLM, cfg: Any) -> None:
+    """An nf4 run's base projections in 4 bits, after the adapters are added (their shapes read the
+    bf16 weights); nothing for other runs."""
+    if cfg.peft.base_dtype != "nf4":
+        return
+    before, after = quantize_base(model)
+    log.info("nf4 base: %d projections' weights %.2f MB -> %.2f MB (%.3fx)", len(nf4_targets(model)),
+             before / 1e6, after / 1e6, after / before)
 
 
 # ------------------------------------------------------------------------------- the start

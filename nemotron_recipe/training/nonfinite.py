@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from nemotron_recipe.models.nemotron_v3.nf4 import is_nf4
+
 log = logging.getLogger(__name__)
 
 
@@ -38,6 +40,8 @@ def nonfinite_parameters(model: torch.nn.Module, device: torch.device) -> list[s
     bad = []
     for name, p in model.named_parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
+        if is_nf4(local):  # a frozen 4-bit base: codes and scales, finite when quantized
+            continue
         if local.numel() and not bool(torch.isfinite(local).all()):
             bad.append(name)
     if dist.is_initialized() and dist.get_world_size() > 1 and _any_rank(bool(bad), device):

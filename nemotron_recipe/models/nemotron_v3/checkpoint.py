@@ -111,7 +111,9 @@ def checkpoint_weight_dtypes(path: str) -> dict[str, str]:
     return dtypes
 
 
-_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+# FP8 weights are read as bf16 (fp8.py) and exported so: an export writes no FP8.
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
+                       "F8_E4M3": "bfloat16"}
 
 
 # ------------------------------------------------------------------------------- state dicts
@@ -244,7 +246,15 @@ def load_pretrained(cls, path: str, **config_overrides):
 
 def load_hf_weights(model, path: str) -> None:
     """Copy a Hugging Face checkpoint's tensors into `model` (unsharded), checking names and shapes."""
-    state = hf_to_native(read_safetensors(safetensors_files(path)), model.config)
+    from .fp8 import (  # fp8.py builds on this module
+        checkpoint_fp8_format,
+        dequantize_state,
+    )
+
+    state = read_safetensors(safetensors_files(path))
+    if (fmt := checkpoint_fp8_format(path)) is not None:
+        state = dequantize_state(state, fmt)
+    state = hf_to_native(state, model.config)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

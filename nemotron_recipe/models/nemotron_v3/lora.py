@@ -49,6 +49,8 @@ from .checkpoint import mamba_in_proj_order
 from .config import ModelConfigError, NemotronHConfig
 from .kernels import linear_cross_entropy_sum
 from .model import Experts, LMHead, NemotronHForCausalLM, expert_matmul, local
+from . import nf4
+from .nf4 import nf4_bytes, quantize
 
 # Every linear projection of every block kind; routed experts (`experts.up_proj`) and LatentMoE's
 # projections to and from the experts' width included. Each pattern names the projections of some
@@ -99,7 +101,7 @@ class LoRALinear(nn.Linear):
     adapter_off = False  # set by `adapters_disabled`: the base alone computes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = nf4.linear(x, self.weight, self.bias) if nf4.is_nf4(self.weight) else F.linear(x, self.weight, self.bias)
         if self.adapter_off:
             return out
         low = self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype)))
@@ -331,6 +333,36 @@ def freeze_base(model: nn.Module) -> None:
     """Only adapters train: the parallelizer's `reapply_trainability` hook, run before FSDP."""
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
+
+
+def nf4_targets(model: nn.Module) -> list[str]:
+    """The weights an nf4 base stores in 4 bits: every base linear projection but lm_head, and the
+    routed experts' stacked weights. Embeddings, norms, the conv, SSM terms and the router keep theirs."""
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and not isinstance(module, LMHead) and not is_adapter(name):
+            names.append(f"{name}.weight")
+        elif isinstance(module, Experts):
+            names += [f"{name}.{proj}" for proj in _EXPERT_PROJS]
+    return names
+
+
+@torch.no_grad()
+def quantize_base(model: nn.Module) -> tuple[int, int]:
+    """Stores the frozen base projections of an unsharded `model` as NF4 (in place; nf4.py): quantized
+    whole, so that every mesh shards the same bits. Returns (their bytes before, after)."""
+    before = after = 0
+    for name in nf4_targets(model):
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        weight = getattr(module, leaf)
+        q = quantize(weight, name)
+        before += weight.numel() * weight.element_size()
+        after += nf4_bytes(q)
+        setattr(module, leaf, nn.Parameter(q, requires_grad=False))
+        if isinstance(module, Experts):
+            module.nf4_shapes = getattr(module, "nf4_shapes", {}) | {leaf: tuple(weight.shape)}
+    return before, after
 
 
 def adapter_parameters(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -38,6 +38,7 @@ from .kernels import (
     ssm_step,
 )
 from .ops import attention, causal_attention, causal_conv1d
+from .nf4 import experts_matmul_nf4
 from .ssd import discretize_dt, ssd_chunked
 
 if TYPE_CHECKING:  # the parallelizer sets the mixers' group
@@ -427,15 +428,23 @@ class Experts(nn.Module):
         lora = self._modules.get("lora")  # per-expert LoRA adapters (lora.py), when fine-tuned with LoRA
         # One grouped GEMM per projection where supported: no per-expert launches and no host sync on
         # the counts; otherwise one matmul per expert.
+        if "up_proj" in getattr(self, "nf4_shapes", {}):  # dequantized in the rows' dtype
+            up = rows.new_empty(0, *self.nf4_shapes["up_proj"][1:])
         groups = counts.cumsum(0).to(torch.int32) if _grouped_mm_supported(rows, up) else counts.tolist()
-        hidden = expert_matmul(rows, up, groups)
+        hidden = self._matmul("up_proj", rows, local(self.up_proj), groups)
         if lora is not None and "up_proj" in lora:
             hidden = lora["up_proj"](hidden, rows, groups)
         hidden = F.relu(hidden).square()
-        routed = expert_matmul(hidden, down, groups)
+        routed = self._matmul("down_proj", hidden, down, groups)
         if lora is not None and "down_proj" in lora:
             routed = lora["down_proj"](routed, hidden, groups)
         return routed
+
+    def _matmul(self, proj: str, rows: torch.Tensor, weight: torch.Tensor, groups) -> torch.Tensor:
+        """An NF4 base (nf4.py) stores `proj` [E, out, in] as [E*out, in] and dequantizes it per GEMM."""
+        if proj in getattr(self, "nf4_shapes", {}):
+            return experts_matmul_nf4(rows, weight, self.nf4_shapes[proj], groups, expert_matmul)
+        return expert_matmul(rows, weight, groups)
 
 
 class MoE(nn.Module):

@@ -24,7 +24,13 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from nemotron_recipe.distributed.plan import ParallelMeshes, ParallelPlan
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
-from nemotron_recipe.models.nemotron_v3.lora import LoRASpec, add_adapters, freeze_base
+from nemotron_recipe.models.nemotron_v3.lora import (
+    LoRASpec,
+    add_adapters,
+    freeze_base,
+    nf4_targets,
+)
+from nemotron_recipe.models.nemotron_v3.nf4 import bytes_per_weight
 from nemotron_recipe.training.lora import BASE_DTYPES, lora_spec
 from nemotron_recipe.training.moe_balance import freeze_routers
 from nemotron_recipe.training.setup import parallelize_model
@@ -81,12 +87,14 @@ class Trainability:
     lora: LoRASpec | None = None
     base_dtype: torch.dtype = torch.float32
     freeze_router: bool = False
+    nf4: bool = False  # the base projections in 4-bit NF4 (`peft.base_dtype=nf4`)
 
     @classmethod
     def from_config(cls, cfg: Any) -> Trainability:
         spec = lora_spec(cfg)
         base = BASE_DTYPES[cfg.peft.base_dtype] if spec else torch.float32
-        return cls(spec, base, bool(getattr(getattr(cfg, "moe", None), "freeze_router", False)))
+        return cls(spec, base, bool(getattr(getattr(cfg, "moe", None), "freeze_router", False)),
+                   bool(spec) and cfg.peft.base_dtype == "nf4")
 
     def reapply(self) -> Callable[[nn.Module], None] | None:
         freeze = ([freeze_base] if self.lora else []) + ([freeze_routers] if self.freeze_router else [])
@@ -109,4 +117,11 @@ def sharded_meta_model(config: NemotronHConfig, plan: ParallelPlan, meshes: Para
     if trainability.lora:
         model.to(trainability.base_dtype)
         add_adapters(model, trainability.lora)
-    return parallelize_model(model, plan, meshes, reapply_trainability=trainability.reapply())
+    targets = set(nf4_targets(model)) if trainability.nf4 else set()
+    quantized = {name: tuple(p.shape) for name, p in model.named_parameters() if name in targets}
+    model = parallelize_model(model, plan, meshes, reapply_trainability=trainability.reapply())
+    for name, p in model.named_parameters():
+        shape = quantized.get(name.replace("_checkpoint_wrapped_module.", ""))
+        if shape is not None:  # a meta model is not quantized: state.py counts these at NF4's bytes
+            p.nf4_bytes_per_weight = bytes_per_weight(shape)
+    return model
