@@ -267,6 +267,8 @@ class CheckpointConfig:
 
 
 OBJECTIVES = ("sft", "dpo")
+DPO_LOSSES = ("sigmoid", "ipo")
+DPO_REFERENCES = ("base", "copy", "precomputed")
 
 
 @dataclass
@@ -628,11 +630,8 @@ def _objective_problems(cfg: Any) -> list[str]:
         return errors
     if o.name != "dpo":
         return errors
-    from nemotron_recipe.training.objectives.dpo_loss import DPO_LOSSES
-    from nemotron_recipe.training.objectives.reference import REFERENCES
-
     _check_choice(errors, "objective.loss", o.loss, DPO_LOSSES)
-    _check_choice(errors, "objective.reference", o.reference, REFERENCES)
+    _check_choice(errors, "objective.reference", o.reference, DPO_REFERENCES)
     _positive(errors, "objective.beta", o.beta)
     _positive(errors, "objective.sft_weight", o.sft_weight, allow_zero=True)
     if not 0.0 <= o.label_smoothing < 0.5:

@@ -60,6 +60,10 @@ def preview_report(cfg: DictConfig, *, color: bool = False) -> str:
                 if value not in choices]
     problems += [f"preview.n={p.n}: must be >= 1. Fix: e.g. preview.n=3."] if p.n < 1 else []
     problems += check_data_config(cfg.data)
+    if cfg.objective.name != "sft":
+        problems.append(f"objective={cfg.objective.name}: the preview renders SFT rows; preference pairs are not "
+                        "rendered yet. Fix: preview SFT data (objective=sft); for pairs, `python -m recipes.finetune "
+                        "objective=dpo trainer.max_steps=1` logs how many were kept, truncated and dropped.")
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     tokenizer, data = load_training_data(cfg, build_model_config(cfg.model).vocab_size)

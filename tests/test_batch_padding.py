@@ -9,7 +9,7 @@ import pytest
 
 from nemotron_recipe.data import IGNORE_INDEX, SFTExamples, collate, val_batches
 from nemotron_recipe.data.batching import padded_length
-from nemotron_recipe.training import finetune
+from nemotron_recipe.training.objectives import sft as sft_objective
 from nemotron_recipe.training.finetune import run
 
 from helpers import compose_run, metrics_rows
@@ -69,7 +69,7 @@ def _timed_run(tmp_path, name: str, monkeypatch, collate_fn) -> tuple[list[dict]
         lengths.append(batch["input_ids"].shape[1])
         return batch
 
-    monkeypatch.setattr(finetune, "collate", recording_collate)
+    monkeypatch.setattr(sft_objective, "collate", recording_collate)
     started = time.perf_counter()
     summary = run(compose_run(tmp_path / name, *RUN))
     seconds = time.perf_counter() - started

@@ -33,7 +33,7 @@ from nemotron_recipe.data import (
     val_batches,
 )
 from nemotron_recipe.models.nemotron_v3 import NemotronHForCausalLM
-from nemotron_recipe.training import finetune
+from nemotron_recipe.training.objectives import sft as sft_objective
 from nemotron_recipe.training.finetune import run
 from nemotron_recipe.training import loss as loss_module
 from nemotron_recipe.training.loss import cross_entropy_sum
@@ -449,14 +449,14 @@ def test_recipe_trains_on_every_format(tmp_path, name, rows, overrides):
 
 
 def test_all_masked_global_batch_gives_zero_loss_not_nan(tmp_path, monkeypatch):
-    real_collate = finetune.collate
+    real_collate = sft_objective.collate
 
     def masked_collate(*args, **kwargs):
         batch = real_collate(*args, **kwargs)
         batch["targets"].fill_(IGNORE_INDEX)
         return batch
 
-    monkeypatch.setattr(finetune, "collate", masked_collate)
+    monkeypatch.setattr(sft_objective, "collate", masked_collate)
     summary = run(compose_cfg(tmp_path, "data.val_file=null"))
     rows = train_rows(tmp_path)
     assert [r["loss"] for r in rows] == [0.0, 0.0] and all(r["grad_norm"] == 0.0 for r in rows)
@@ -470,9 +470,9 @@ def test_packed_recipe_step_equals_documents_run_alone(tmp_path, monkeypatch):
                       "data.messages_key=messages", "data.packing=true", "trainer.max_steps=1",
                       "trainer.preflight=false")  # its trace would run the instrumented loss too
     seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    real_collate, real_ce = finetune.collate, loss_module.cross_entropy_sum
+    real_collate, real_ce = sft_objective.collate, loss_module.cross_entropy_sum
     batches = []
-    monkeypatch.setattr(finetune, "collate", lambda *a, **k: batches.append(real_collate(*a, **k)) or batches[-1])
+    monkeypatch.setattr(sft_objective, "collate", lambda *a, **k: batches.append(real_collate(*a, **k)) or batches[-1])
 
     def recording_ce(logits, targets):
         b = batches[len(seen)]

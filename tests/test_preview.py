@@ -13,7 +13,7 @@ from helpers import CONF, REPO, RUN_BASE, SMALL_DIMS, compose_run
 
 from nemotron_recipe.config import ConfigError
 from nemotron_recipe.data import IGNORE_INDEX
-from nemotron_recipe.training import finetune
+from nemotron_recipe.training.objectives import sft as sft_objective
 from nemotron_recipe.training import loss as loss_module
 from nemotron_recipe.training.finetune import run
 
@@ -44,8 +44,8 @@ def test_preview_shows_the_mask_training_applies(tmp_path, monkeypatch):
     small = [f"model.{k}={v}" for k, v in {**SMALL_DIMS, "vocab_size": 512}.items()]
     cfg = compose_run(tmp_path, *REASONING, *small, "trainer.max_steps=1", "data.val_file=null")
     batches, targets = [], []
-    real_collate, real_ce = finetune.collate, loss_module.cross_entropy_sum
-    monkeypatch.setattr(finetune, "collate", lambda *a, **k: batches.append(real_collate(*a, **k)) or batches[-1])
+    real_collate, real_ce = sft_objective.collate, loss_module.cross_entropy_sum
+    monkeypatch.setattr(sft_objective, "collate", lambda *a, **k: batches.append(real_collate(*a, **k)) or batches[-1])
     monkeypatch.setattr(loss_module, "cross_entropy_sum", lambda logits, t: targets.append(t) or real_ce(logits, t))
     run(cfg)
     assert len(targets) == 2  # global batch 4 in micro-batches of 2
@@ -68,6 +68,8 @@ def test_preview_settings_are_checked():
         preview("preview.format=xml", "preview.n=0")
     with pytest.raises(ConfigError, match="preview.split=val: the run has no validation data"):
         preview("data.val_file=null", "preview.split=val")
+    with pytest.raises(ConfigError, match="objective=dpo: the preview renders SFT rows"):
+        preview("objective=dpo")
 
 
 def test_preview_cli_marks_trained_tokens_counts_the_file_and_writes_nothing(tmp_path):

@@ -1,6 +1,6 @@
 """Nemotron-H (Nemotron 2 hybrid and Nemotron 3 MoE) models: config, native model, checkpoints."""
 
-from .checkpoint import CheckpointError
+from .errors import CheckpointError
 from .config import PRESETS, ModelConfigError, NemotronHConfig
 from .model import CausalLMOutput, NemotronHForCausalLM, build_meta_model
 

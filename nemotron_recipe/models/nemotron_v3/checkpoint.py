@@ -26,16 +26,14 @@ from pathlib import Path
 import torch
 
 from .config import NemotronHConfig
+from .errors import CheckpointError
+from .fp8 import checkpoint_fp8_format, dequantize_state
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 
 _EXPERT = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
 _INDEX = re.compile(r"\.(layers|experts)\.\d+\.")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model it is loaded into; names the file and the mismatch."""
 
 
 # ------------------------------------------------------------------------------- Mamba2 layout
@@ -246,11 +244,6 @@ def load_pretrained(cls, path: str, **config_overrides):
 
 def load_hf_weights(model, path: str) -> None:
     """Copy a Hugging Face checkpoint's tensors into `model` (unsharded), checking names and shapes."""
-    from .fp8 import (  # fp8.py builds on this module
-        checkpoint_fp8_format,
-        dequantize_state,
-    )
-
     state = read_safetensors(safetensors_files(path))
     if (fmt := checkpoint_fp8_format(path)) is not None:
         state = dequantize_state(state, fmt)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CheckpointError
+from .errors import CheckpointError
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
 INFERENCE_SCALES = (".input_scale", ".k_scale", ".v_scale")

@@ -14,6 +14,7 @@ contiguous, a plain row split of `in_proj` hands each tensor-parallel rank exact
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,7 @@ from .kernels import (
     ssd_scan_final_state,
     ssm_step,
 )
+from .mtp import shift_for_mtp
 from .ops import attention, causal_attention, causal_conv1d
 from .nf4 import experts_matmul_nf4
 from .ssd import discretize_dt, ssd_chunked
@@ -513,6 +515,73 @@ class Block(nn.Module):
         return x + self.mixer(self.norm(x))  # per-token mixers need no document boundaries
 
 
+# ------------------------------------------------------------------------------- multi-token prediction
+# Depth k (1-based, `num_nextn_predict_layers` of them) sees, at position t, the hidden state the
+# previous depth left there (the main model's final-norm output for k = 1) and the embedding of token
+# t+k, and predicts token t+1+k through the model's own `lm_head`:
+#     h_k = blocks_k(eh_proj([enorm(embed(token[t+k])) | hnorm(h_{k-1})]))
+# `blocks_k` is one block per character of `mtp_pattern`; the first carries the fusion (`enorm`,
+# `hnorm`, `eh_proj`), the last a `final_layernorm`. The layers of all depths sit in one flat list,
+# `mtp.layers.{depth * len(mtp_pattern) + j}`, the names released checkpoints use. Their inputs come
+# from `mtp.shift_for_mtp`.
+class MTPLayer(Block):
+    """A block of an MTP depth: the fusion of embedding and hidden state before it (first block of a
+    depth), a final norm after it (last block of a depth)."""
+
+    def __init__(self, config: NemotronHConfig, block_type: str, *, fuses: bool, final_norm: bool):
+        super().__init__(config, block_type)
+        d, eps = config.hidden_size, config.layer_norm_epsilon
+        self.fuses, self.has_final_norm = fuses, final_norm
+        if fuses:
+            self.enorm = RMSNorm(d, eps)
+            self.hnorm = RMSNorm(d, eps)
+            self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        if final_norm:
+            self.final_layernorm = RMSNorm(d, eps)
+
+    def forward(
+        self, x: torch.Tensor, document_ids: torch.Tensor | None = None, embedded: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # Fusion and final norm run inside this module's call, so FSDP has gathered their weights.
+        if self.fuses:
+            x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(x)], dim=-1))
+        x = super().forward(x, document_ids=document_ids, token_mask=token_mask)
+        return self.final_layernorm(x) if self.has_final_norm else x
+
+
+class MultiTokenPrediction(nn.Module):
+    def __init__(self, config: NemotronHConfig):
+        super().__init__()
+        per_depth = len(config.mtp_pattern)
+        self.depths, self.per_depth = config.num_nextn_predict_layers, per_depth
+        self.layers = nn.ModuleList(
+            MTPLayer(config, kind, fuses=i % per_depth == 0, final_norm=i % per_depth == per_depth - 1)
+            for i, kind in enumerate(config.mtp_block_types)
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        shifted_ids: torch.Tensor,
+        embed: Callable[[torch.Tensor], torch.Tensor],
+        document_ids: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
+        """hidden [b, l, d] (the main model's output), shifted_ids [b, l, depths] (`shift_for_mtp`)
+        -> each depth's hidden states [b, l, d]. `token_mask`: the main sequence's real tokens, which
+        MoE blocks count their loads over (positions, like the padding, are the main sequence's)."""
+        out = []
+        for depth in range(self.depths):
+            embedded = embed(shifted_ids[..., depth].contiguous())
+            for j in range(self.per_depth):
+                layer = self.layers[depth * self.per_depth + j]
+                hidden = layer(hidden, document_ids=document_ids, token_mask=token_mask,
+                               embedded=embedded if j == 0 else None)
+            out.append(hidden)
+        return out
+
+
 class NemotronHModel(nn.Module):
     def __init__(self, config: NemotronHConfig):
         super().__init__()
@@ -573,8 +642,6 @@ class NemotronHForCausalLM(nn.Module):
         self.lm_head = LMHead(config.hidden_size, config.vocab_size, bias=False)
         self.mtp = None
         if config.num_nextn_predict_layers:
-            from .mtp import MultiTokenPrediction  # it builds on this module's blocks
-
             self.mtp = MultiTokenPrediction(config)
         self.reset_parameters()
 
@@ -652,8 +719,6 @@ class NemotronHForCausalLM(nn.Module):
             if any(getattr(m, "context_parallel", None) is not None for m in self.modules()):
                 raise ValueError("context parallel MTP needs mtp_input_ids and mtp_targets made from the whole "
                                  "sequences (mtp.shift_for_mtp) before they are split over the cp ranks")
-            from .mtp import shift_for_mtp
-
             mtp_input_ids, mtp_targets = shift_for_mtp(input_ids, targets, self.mtp.depths, document_ids)
         per_depth = self.mtp(hidden, mtp_input_ids, self.model.embeddings, document_ids, token_mask)
         total = sum(self._head_loss_sum(h, mtp_targets[..., k].contiguous(), chunk_size)

@@ -32,7 +32,7 @@ from nemotron_recipe.data import collate
 from nemotron_recipe.data.preference import PreferenceData, PreferencePairs
 from nemotron_recipe.models.nemotron_v3.model import MoE
 from nemotron_recipe.training.loss import IGNORE_INDEX
-from nemotron_recipe.training.objectives import StepSums
+from nemotron_recipe.training.objectives.protocol import StepSums
 from nemotron_recipe.training.objectives.dpo_loss import preference_loss, sequence_logps
 from nemotron_recipe.training.objectives.reference import (
     BaseReference,

@@ -20,10 +20,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from nemotron_recipe.config import DPO_LOSSES
 from nemotron_recipe.distributed.tensor_parallel import vocab_parallel_cross_entropy
 from nemotron_recipe.training.loss import IGNORE_INDEX, is_vocab_sharded
 
-DPO_LOSSES = ("sigmoid", "ipo")
 
 
 class _SumOverSequenceRanks(torch.autograd.Function):

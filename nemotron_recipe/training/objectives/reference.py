@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 
+from nemotron_recipe.config import ConfigError
 from nemotron_recipe.data.preference import PreferencePairs
 from nemotron_recipe.models.nemotron_v3.lora import adapters_disabled
 
 log = logging.getLogger(__name__)
 
-REFERENCES = ("base", "copy", "precomputed")
 CACHE_NAME = "reference_logps.pt"
 
 # (model, micro-batch) -> [2 * pairs] response log-probs, chosen halves first.
@@ -104,8 +104,6 @@ def save_cache(path: Path, logps: dict[str, torch.Tensor], prints: dict[str, str
 
 
 def missing_cache_error(paths: list[Path]) -> RuntimeError:
-    from nemotron_recipe.config import ConfigError
-
     return ConfigError(
         f"objective.reference=precomputed: this run resumes training, but no reference log-probs for its data "
         f"are cached at {[str(p) for p in paths]}; they can only be computed from the starting weights. Fix: "

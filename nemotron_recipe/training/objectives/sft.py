@@ -18,7 +18,7 @@ from nemotron_recipe.data import SFTData, collate, val_batches
 from nemotron_recipe.models.nemotron_v3.model import MoE
 from nemotron_recipe.models.nemotron_v3.mtp import shift_for_mtp
 from nemotron_recipe.training.loss import IGNORE_INDEX, forward_loss_sum, forward_loss_sums, local_value
-from nemotron_recipe.training.objectives import StepSums
+from nemotron_recipe.training.objectives.protocol import StepSums
 from nemotron_recipe.training.setup import DataLayout
 
 
