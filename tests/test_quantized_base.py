@@ -172,7 +172,7 @@ def test_nf4_without_torchao_names_the_pip_line(tmp_path, monkeypatch):
             _run(tmp_path, "peft=lora", "peft.base_dtype=nf4")
     finally:
         nf4_module.nf4_tensor_type.cache_clear()
-    assert "needs torchao's NF4 tensor, and torchao is not installed. Fix: pip install 'torchao>=0.12'" in str(err.value)
+    assert "needs torchao's NF4 tensor, and torchao is not installed. Fix: pip install -e '.[quant]'" in str(err.value)
 
 
 # ------------------------------------------------------------------ meshes and convergence

@@ -64,7 +64,7 @@ from nemotron_recipe.training.checkpoint import (
     read_meta,
     verify_checksums,
 )
-from nemotron_recipe.training.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, OUT_PROJ_FACTORS, export_lora
+from nemotron_recipe.training.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, DRAWN_BASE, OUT_PROJ_FACTORS, export_lora
 
 log = logging.getLogger(__name__)
 
@@ -298,13 +298,14 @@ def _export_lora(path: Path, meta: dict[str, Any], out: Path, *, merge: bool, ou
         )
     verify_checksums(path, meta)
     read_dcp_metadata(path)
-    staged, nbytes = export_lora(path, meta, merge=merge, out_proj=out_proj)  # all is loaded and merged before a file is written
+    # All is loaded and merged before a file is written; the adapter names its export directory, not the staging one.
+    staged, nbytes = export_lora(path, meta, merge=merge, out_proj=out_proj, out_dir=out)
 
     def write(staging: Path) -> None:
         staged(staging)
         save_tokenizer(meta, path, staging)
 
-    _publish(out, write, nbytes + _tokenizer_bytes(meta), replaces=(ADAPTER_CONFIG, ADAPTER_WEIGHTS, OUT_PROJ_FACTORS))
+    _publish(out, write, nbytes + _tokenizer_bytes(meta), replaces=(ADAPTER_CONFIG, ADAPTER_WEIGHTS, OUT_PROJ_FACTORS, DRAWN_BASE))
     log.info("exported %s (step %d, LoRA%s) to %s", path, meta["step"], ", merged" if merge else "", out)
     return out
 
@@ -362,7 +363,7 @@ def _publish(out: Path, write: Callable[[Path], None], needed: int, replaces: tu
         return
     _remove_model_files(out)
     for name in replaces:
-        (out / name).unlink(missing_ok=True)
+        shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink(missing_ok=True)
     for file in staging.iterdir():
         os.replace(file, out / file.name)
     staging.rmdir()

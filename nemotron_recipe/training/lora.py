@@ -271,7 +271,8 @@ def _spec(meta: dict[str, Any]) -> LoRASpec:
     return LoRASpec(p["rank"], p["alpha"], p["dropout"], tuple(p["target_modules"]))
 
 
-def export_lora(path: Path, meta: dict[str, Any], *, merge: bool, out_proj: str = "save") -> tuple[Callable[[Path], None], int]:
+def export_lora(path: Path, meta: dict[str, Any], *, merge: bool, out_proj: str = "save",
+                out_dir: Path | None = None) -> tuple[Callable[[Path], None], int]:
     """Loads a LoRA checkpoint (and its base where needed) and returns the function that writes it to a
     directory (a PEFT adapter, or with `merge` a Hugging Face model with the adapters folded in) and the
     bytes of the tensors it writes. Every error is raised here, before anything is written.
@@ -300,8 +301,10 @@ def export_lora(path: Path, meta: dict[str, Any], *, merge: bool, out_proj: str 
     factors = {n: v.contiguous() for n, v in values.items() if n.rsplit(".", 2)[0] in saved}
     _report_size(tensors, saved)
     drawn = base if base_path is None else None
-    return (lambda out: write_peft_adapter(out, tensors, spec, modules, params, saved, base_path, factors, drawn)), \
-        _nbytes(tensors.values()) + _nbytes(factors.values())
+    nbytes = _nbytes(tensors.values()) + _nbytes(factors.values())
+    nbytes += _nbytes(base.state_dict().values()) if drawn is not None else 0
+    return (lambda out: write_peft_adapter(out, tensors, spec, modules, params, saved, base_path, factors, drawn,
+                                           named_at=out_dir)), nbytes
 
 
 def _nbytes(tensors: Any) -> int:
@@ -332,15 +335,16 @@ def _report_size(tensors: dict[str, torch.Tensor], saved: list[str]) -> None:
 def write_peft_adapter(out: Path, tensors: dict[str, torch.Tensor], spec: LoRASpec, modules: list[str],
                        params: list[str], saved: list[str], base_path: str | None,
                        out_proj_factors: dict[str, torch.Tensor] | None = None,
-                       drawn_base: NemotronHForCausalLM | None = None) -> None:
+                       drawn_base: NemotronHForCausalLM | None = None, named_at: Path | None = None) -> None:
     """adapter_config.json and adapter_model.safetensors; beside them the Mamba2 out_proj factors (which
     PEFT ignores and `peft.init_from` reads back) and, for a base drawn from a seed, that base in
-    `base/`, which `base_model_name_or_path` then names."""
+    `base/`, which `base_model_name_or_path` then names, as it will stand in `named_at` (the export's
+    directory, when `out` is where it is staged)."""
     from safetensors.torch import save_file
 
     if drawn_base is not None:
         drawn_base.save_pretrained(str(out / DRAWN_BASE))
-        base_path = str((out / DRAWN_BASE).resolve())
+        base_path = str((Path(named_at or out) / DRAWN_BASE).resolve())
         log.info("the base was drawn from a seed, not loaded: wrote it to %s", out / DRAWN_BASE)
     config = {
         "peft_type": "LORA",

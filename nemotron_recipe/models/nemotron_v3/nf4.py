@@ -29,7 +29,7 @@ from .config import ModelConfigError
 
 BLOCK = 64           # weights per absmax block (QLoRA's)
 SCALER_BLOCK = 256   # absmax values per double-quantization factor (QLoRA's)
-PIP_LINE = "pip install 'torchao>=0.12'"
+PIP_LINE = "pip install -e '.[quant]' (or pip install 'torchao>=0.12')"
 
 
 class NF4Error(ModelConfigError):
