@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import compose_run
 from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
@@ -21,7 +22,6 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from helpers import compose_run
 from nemotron_recipe.config import ConfigError, validate_config
 from nemotron_recipe.distributed.pipeline_layout import microbatches_problem, stage_rank
 from nemotron_recipe.distributed.plan import ParallelPlan

@@ -97,7 +97,7 @@ def test_nano_split_by_cost_beats_equal_counts() -> None:
 def test_hand_split() -> None:
     split = plan_split(NANO3, 2, split_points=[26], seq_len=2048, micro_batch=1)
     assert split.starts == (0, 26) and split.by_hand and split.split_points == [26]
-    assert split.blocks(0) == range(0, 26) and split.blocks(1) == range(26, 52)
+    assert split.blocks(0) == range(26) and split.blocks(1) == range(26, 52)
     assert split.slowest_share == pytest.approx(split.equal_slowest_share)  # [26] is the equal split
     assert equal_starts(52, 2) == (0, 26) and equal_starts(7, 3) == (0, 2, 4)
     lines = split.describe()

@@ -11,7 +11,8 @@ loops (rank r holds stages r, r + pp, ...). The tests hold these rules to the sc
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zbv")

@@ -25,7 +25,11 @@ import torch
 
 from nemotron_recipe.distributed.pipeline_layout import split_problem
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig
-from nemotron_recipe.models.nemotron_v3.flops import block_flops, lm_head_flops, mtp_flops
+from nemotron_recipe.models.nemotron_v3.flops import (
+    block_flops,
+    lm_head_flops,
+    mtp_flops,
+)
 from nemotron_recipe.models.nemotron_v3.model import Block, MultiTokenPrediction
 
 # fp32 parameter + gradient + AdamW's two moments.
