@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from nemotron_recipe.config_keys import unknown_key_problems
+from nemotron_recipe.distributed import pipeline_layout
 from nemotron_recipe.distributed.env import launched_world_size
 from nemotron_recipe.distributed.plan import ParallelConfigError, ParallelPlan, check_experts_split
 from nemotron_recipe.models.nemotron_v3.checkpoint import (
@@ -136,6 +137,14 @@ class MeshConfig:
     tp: int = 1
     ep: int = 1  # expert parallel: ranks of dp_shard x cp that split the routed experts
     sequence_parallel: bool = False
+    # Pipeline parallel (the outermost dim): `pp` ranks each run a contiguous run of blocks, the step's
+    # micro-batches flowing through them by `pp_schedule` (gpipe | 1f1b | interleaved_1f1b | zbv) with
+    # `pp_virtual_stages` stages per rank; `pp_split`: the first block of each stage after the first
+    # (pp x pp_virtual_stages - 1 indices), None: split by estimated cost.
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    pp_split: Optional[list[int]] = None
 
 
 @dataclass
@@ -469,8 +478,10 @@ def _parallel_problems(cfg: Any, world_size: int | None = None) -> tuple[Paralle
     except ParallelConfigError as e:
         return None, [str(e).removeprefix("invalid parallel settings:\n  ")]
     if t.global_batch_size > 0 and t.micro_batch_size > 0:
-        return plan, _batch_split_problems(t, plan.dp_size)
-    return plan, []
+        split = _batch_split_problems(t, plan.dp_size)
+        micro_batches = None if split else t.global_batch_size // (t.micro_batch_size * plan.dp_size)
+        return plan, split + pipeline_layout.layout_problems(cfg.mesh, micro_batches)
+    return plan, pipeline_layout.layout_problems(cfg.mesh, None)
 
 
 def _input_problems(cfg: Any, weights: bool = True) -> list[str]:
@@ -520,7 +531,8 @@ def validate_config(cfg: Any, world_size: int | None = None, *,
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     model_config = build_model_config(cfg.model)
-    if problems := _moe_problems(cfg, model_config, plan):
+    problems = _moe_problems(cfg, model_config, plan) + pipeline_layout.model_problems(cfg.mesh, model_config.num_layers)
+    if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     if cfg.optim.lr is None:
         cfg.optim.lr, source = model_lr(cfg, model_config)

@@ -25,8 +25,11 @@ LAYOUTS = {
     "tp8_sp": ((1, -1, 1, 8, True), 8),
     "cp2": ((1, -1, 2, 1, False), 2),
     "tp2_cp2": ((1, -1, 2, 2, False), 4),
+    "pp2": ((1, 1, 1, 1, False, 2), 2),
+    "pp2_fsdp": ((1, -1, 1, 1, False, 2), 2),
+    "pp4_tp2_sp": ((1, -1, 1, 2, True, 4), 8),
 }
-FIELDS = ("dp_replicate", "dp_shard", "cp", "tp", "sequence_parallel")
+FIELDS = ("dp_replicate", "dp_shard", "cp", "tp", "sequence_parallel", "pp")
 
 
 def _compose(*overrides: str):
@@ -35,7 +38,9 @@ def _compose(*overrides: str):
 
 
 def _values(mesh) -> tuple:
-    return tuple(getattr(mesh, name) for name in FIELDS)
+    """The sizes, `pp` only where it is not 1."""
+    values = tuple(getattr(mesh, name) for name in FIELDS)
+    return values if values[-1] != 1 else values[:-1]
 
 
 def test_every_layout_file_is_tested() -> None:
@@ -82,7 +87,8 @@ def test_a_layout_keeps_the_schema_types() -> None:
 
 @pytest.mark.parametrize(
     ("overrides", "printed"),
-    [([], "1"), (["mesh=tp2_sp", "mesh.cp=2"], "4"), (["mesh=hsdp", "mesh.dp_shard=3"], "6")],
+    [([], "1"), (["mesh=tp2_sp", "mesh.cp=2"], "4"), (["mesh=hsdp", "mesh.dp_shard=3"], "6"),
+     (["mesh=pp2_fsdp", "mesh.dp_shard=2"], "4")],
 )
 def test_mesh_size_prints_the_process_count(
     overrides: list[str], printed: str, capsys: pytest.CaptureFixture[str]

@@ -87,6 +87,7 @@ class ParallelPlan:
     reduce_dtype: torch.dtype = torch.float32
     offload: bool = False
     reshard_after_forward: bool | None = None
+    pp: int = 1  # pipeline stages (ranks), outermost: every other dim lives within one stage
 
     def __post_init__(self) -> None:
         # Plans are also made by replacing fields of another (the planner's variants): checked here too.
@@ -111,13 +112,18 @@ class ParallelPlan:
         if errors:
             raise ParallelConfigError("invalid parallel settings:\n  " + "\n  ".join(errors))
         plan = cls(**sizes, ep=ep, sequence_parallel=sp, ac=ac, **dtypes, offload=bool(cfg.fsdp.offload),
-                   reshard_after_forward=cfg.fsdp.reshard_after_forward)
+                   pp=_pipeline_size(cfg.mesh), reshard_after_forward=cfg.fsdp.reshard_after_forward)
         if problem := plan.check_seq_len(cfg.trainer.seq_len):
             raise ParallelConfigError(problem)
         return plan
 
     @property
     def world_size(self) -> int:
+        return self.pp * self.stage_world_size
+
+    @property
+    def stage_world_size(self) -> int:
+        """Ranks of one pipeline stage (all of them without a pipeline)."""
         return self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
@@ -158,6 +164,7 @@ class ParallelPlan:
 
     def describe(self) -> dict[str, int]:
         sizes = dict(zip(MESH_DIMS, (self.dp_replicate, self.dp_shard, self.cp, self.tp)))
+        sizes = {"pp": self.pp, **sizes} if self.pp > 1 else sizes
         return {**sizes, "ep": self.ep} if self.ep > 1 else sizes
 
 
@@ -207,7 +214,12 @@ def processes_needed(mesh_cfg: Any) -> int:
         raise ParallelConfigError("\n".join(errors))
     ep = max(int(getattr(mesh_cfg, "ep", 1)), 1)
     dp_shard = sizes["dp_shard"] if sizes["dp_shard"] > 0 else ep // math.gcd(ep, sizes["cp"])
-    return sizes["dp_replicate"] * sizes["cp"] * sizes["tp"] * dp_shard
+    return _pipeline_size(mesh_cfg) * sizes["dp_replicate"] * sizes["cp"] * sizes["tp"] * dp_shard
+
+
+def _pipeline_size(mesh_cfg: Any) -> int:
+    """`mesh.pp` (the config check names a value below 1; counted as 1 until then)."""
+    return max(int(getattr(mesh_cfg, "pp", 1)), 1)
 
 
 def _given_sizes(mesh_cfg: Any, errors: list[str]) -> dict[str, int]:
@@ -224,21 +236,23 @@ def _mesh_sizes(mesh_cfg: Any, world_size: int, errors: list[str]) -> dict[str, 
     if found:
         errors.extend(found)
         return {}
-    others = sizes["dp_replicate"] * sizes["cp"] * sizes["tp"]
+    pp = _pipeline_size(mesh_cfg)
+    others = pp * sizes["dp_replicate"] * sizes["cp"] * sizes["tp"]
+    pp_text = f"pp={pp} x " if pp > 1 else ""
     needed = processes_needed(mesh_cfg)
     if world_size == 1 and needed > 1:
-        errors.append(_launch_hint({**sizes, "ep": int(getattr(mesh_cfg, "ep", 1))}, needed))
+        errors.append(_launch_hint({"pp": pp, **sizes, "ep": int(getattr(mesh_cfg, "ep", 1))}, needed))
     elif sizes["dp_shard"] == -1:
         if world_size % others:
             errors.append(
-                f"mesh: dp_replicate={sizes['dp_replicate']} x cp={sizes['cp']} x tp={sizes['tp']} = {others} "
+                f"mesh: {pp_text}dp_replicate={sizes['dp_replicate']} x cp={sizes['cp']} x tp={sizes['tp']} = {others} "
                 f"does not divide the world size {world_size}, so dp_shard cannot be inferred. "
                 f"Fix: choose dims whose product divides {world_size}."
             )
         sizes["dp_shard"] = max(world_size // others, 1)
     elif needed != world_size:
         errors.append(
-            f"mesh: dp_replicate={sizes['dp_replicate']} x dp_shard={sizes['dp_shard']} x cp={sizes['cp']} "
+            f"mesh: {pp_text}dp_replicate={sizes['dp_replicate']} x dp_shard={sizes['dp_shard']} x cp={sizes['cp']} "
             f"x tp={sizes['tp']} = {needed}, but the world size is {world_size}. "
             f"Fix: make the product {world_size}, or set mesh.dp_shard=-1 to infer it."
         )

@@ -76,6 +76,11 @@ def lm_head_flops(cfg: NemotronHConfig, batch: int, seq_len: int) -> int:
 _PER_BLOCK = {"mamba": mamba_flops, "attention": attention_flops, "mlp": mlp_flops, "moe": moe_flops}
 
 
+def block_flops(cfg: NemotronHConfig, kind: str, batch: int, seq_len: int) -> int:
+    """Forward FLOPs of one block of `kind` (a `block_types` name: mamba, attention, mlp or moe)."""
+    return _PER_BLOCK[kind](cfg, batch, seq_len)
+
+
 def mtp_flops(cfg: NemotronHConfig, batch: int, seq_len: int) -> int:
     """All MTP depths: fusion projection [2d -> d], the depth's blocks and the shared head, per depth."""
     fusion = 2 * batch * seq_len * 2 * cfg.hidden_size * cfg.hidden_size
