@@ -13,19 +13,13 @@ from typing import Any
 
 import torch
 
+from nemotron_recipe.distributed.pipeline_layout import stage_rank
 from nemotron_recipe.distributed.plan import ParallelMeshes, ParallelPlan
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
 from nemotron_recipe.training.pipeline.schedule import MULTI_STAGE, SCHEDULES, PipelineSchedule, StageShapes
 from nemotron_recipe.training.pipeline.stages import PipelineParts, StageInputs, cut_stages
 
 log = logging.getLogger(__name__)
-
-
-def stage_rank(stage: int, pp: int, schedule: str) -> int:
-    """The pipeline rank that runs `stage`: looped, or in a V for zbv."""
-    if schedule == "zbv":
-        return stage if stage < pp else 2 * pp - 1 - stage
-    return stage % pp
 
 
 class Pipeline:

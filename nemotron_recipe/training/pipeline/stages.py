@@ -169,6 +169,8 @@ class PipelineParts(nn.Module):
     a model that lacks only the other ranks' parts. Calling it runs the pipeline (`run`, set by the
     schedule) on one batch, forward only: validation goes through the stages like training does."""
 
+    returns_loss_sums = True  # given targets, its output holds loss_sum and num_tokens, never logits
+
     def __init__(self, full: NemotronHForCausalLM, stages: list[PipelineStageModel]) -> None:
         super().__init__()
         self.config = full.config
