@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+PP_DIM = "pp"
 
 
 class MeshError(ValueError):
@@ -59,3 +61,17 @@ def replicated_over(fsdp_mesh: DeviceMesh, extra: DeviceMesh, name: str) -> Devi
     replicate_name, shard_name = fsdp_mesh.mesh_dim_names
     replicate = DeviceMesh._concatenate([fsdp_mesh[replicate_name], extra])._flatten(name)
     return DeviceMesh._concatenate([replicate, fsdp_mesh[shard_name]])
+
+
+def stage_mesh(
+    device_type: str, pp: int, shape: tuple[int, ...], names: tuple[str, ...]
+) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """The device mesh of this rank's pipeline stage (dims `names`) and the 1-D mesh of the ranks that
+    hold the other stages of the same pipeline (None without one). With `pp` > 1 the world mesh is
+    (pp, *names), pp outermost: every other dim lives inside one stage, so the stages' collectives
+    (FSDP, tensor, context and expert parallel) never cross a stage boundary, and only activations and
+    their gradients travel between pipeline ranks."""
+    if pp == 1:
+        return init_device_mesh(device_type, shape, mesh_dim_names=names), None
+    world = init_device_mesh(device_type, (pp, *shape), mesh_dim_names=(PP_DIM, *names))
+    return world[names], world[PP_DIM]

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from .activation_checkpoint import AC_MODES
+from .mesh import stage_mesh
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 # The routed experts' mesh: `ep` ranks split the experts, `ep_shard` ranks shard each expert (FSDP), both
@@ -55,6 +56,7 @@ class ParallelMeshes:
     dp_cp: DeviceMesh
     dp_shard_cp: DeviceMesh
     moe: DeviceMesh | None = None  # dims MOE_MESH_DIMS, only with expert parallel
+    pp: DeviceMesh | None = None  # the ranks of this rank's pipeline, one per stage, only with pp > 1
 
     @property
     def cp(self) -> DeviceMesh:
@@ -143,19 +145,21 @@ class ParallelPlan:
         return mp, offload
 
     def build_meshes(self, device_type: str = "cpu") -> ParallelMeshes:
+        """The meshes of this rank's pipeline stage (the whole world without a pipeline)."""
         shape = (self.dp_replicate, self.dp_shard, self.cp, self.tp)
-        root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        root, pp = stage_mesh(device_type, self.pp, shape, MESH_DIMS)
         moe = None
         if self.ep > 1:
             # Rank order matches `root`'s: ep_shard x ep is dp_shard x cp, split the other way.
             moe_shape = (self.dp_replicate, self.dp_shard * self.cp // self.ep, self.ep, self.tp)
-            moe = init_device_mesh(device_type, moe_shape, mesh_dim_names=MOE_MESH_DIMS)
+            moe, _ = stage_mesh(device_type, self.pp, moe_shape, MOE_MESH_DIMS)
         return ParallelMeshes(
             root=root,
             dp=root["dp_replicate", "dp_shard"]._flatten("dp"),
             dp_cp=root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
             dp_shard_cp=root["dp_shard", "cp"]._flatten("dp_shard_cp"),
             moe=moe,
+            pp=pp,
         )
 
     def describe(self) -> dict[str, int]:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from nemotron_recipe.config import validate_config
+from nemotron_recipe.config import ConfigError, validate_config
 from nemotron_recipe.data import ChatFormatter, GlobalBatchPlan
 from nemotron_recipe.data.preference import PreferencePairs
 from nemotron_recipe.distributed.env import DistEnv, distributed
@@ -46,6 +46,9 @@ from nemotron_recipe.training.lora import (
 from nemotron_recipe.training.objectives import Objective, StepSums, build_objective
 from nemotron_recipe.training.nonfinite import NonFiniteGuard
 from nemotron_recipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from nemotron_recipe.training.pipeline.limits import pipeline_problems
+from nemotron_recipe.training.pipeline.runtime import build_pipeline
+from nemotron_recipe.training.pipeline.schedule import MicroBatchLoop
 from nemotron_recipe.training.planner.preflight import preflight
 from nemotron_recipe.training.preemption import StopConditions
 from nemotron_recipe.training.samples import Samples, configured_prompts, validation_prompts
@@ -178,8 +181,14 @@ class Trainer:
         meshes = self.parallel.build_meshes(self.env.device.type)
         self.layout = data_layout(self.parallel, meshes)
         self.mesh_shape = self.parallel.describe()
+        # Under a pipeline (mesh.pp > 1) this rank runs some of the stages, and the gradient norm, the
+        # expert loads and the losses are combined over the pipeline's ranks (`pp_group`).
+        self.pipeline = build_pipeline(self.cfg, self.parallel, meshes, self.model_config, self.env.device)
+        self.pp_group = None if meshes.pp is None else meshes.pp.get_group()
+        # Pipeline stages exchange activations of static shapes: every micro-batch is padded to seq_len.
+        self.pad_multiple = self.cfg.trainer.seq_len if self.pipeline else self.parallel.seq_len_divisor
         self._parallelize: Callable[[torch.nn.Module], torch.nn.Module] = functools.partial(
-            parallelize_model, plan=self.parallel, meshes=meshes
+            parallelize_model, plan=self.parallel, meshes=meshes, pipeline=self.pipeline
         )
 
     def _setup_data(self, model_config: NemotronHConfig) -> None:
@@ -282,7 +291,7 @@ class Trainer:
         """What a step computes (`objective.name`), over the model and the data just set up."""
         self.objective = build_objective(
             self.cfg.objective.name, cfg=self.cfg, model=self.model, data=self.data, layout=self.layout,
-            device=self.env.device, pad_id=self.pad_id, seq_len_divisor=self.parallel.seq_len_divisor,
+            device=self.env.device, pad_id=self.pad_id, seq_len_divisor=self.pad_multiple,
             mtp_depths=self.mtp_depths, mtp_loss_scale=self.mtp_loss_scale, trainer=self,
         )
 
@@ -321,7 +330,11 @@ class Trainer:
         self.stop = StopConditions(max_minutes=t.max_minutes, started=self.started, device=self.env.device)
         self.guard = NonFiniteGuard(t.nonfinite, t.max_skipped_steps, self.env.device)
         self.balance = RouterBalance(self.model, self.layout.moe_token_group, cfg.moe.bias_update_rate,
-                                     cfg.moe.aux_loss_coeff, sequences_per_step=sequences_per_step)
+                                     cfg.moe.aux_loss_coeff, sequences_per_step=sequences_per_step,
+                                     pp_group=self.pp_group)
+        # What runs a step's micro-batches: the pipeline's schedule, or each in turn on the whole model.
+        self.schedule = self.pipeline.schedule(self.balance) if self.pipeline else \
+            MicroBatchLoop(lambda batch, context: self._forward_backward(batch, context), self.balance)
 
     def _samples(self) -> Samples | None:
         """The prompts continued at each validation: eval.samples, else the first validation prompts."""
@@ -384,15 +397,10 @@ class Trainer:
         moves on, so the schedule and the data position stay functions of the step."""
         micro_batches = [self._collate(indices) for indices in self.batch_plan.indices_for_step(step)]
         context = self.objective.begin_step(micro_batches)
-        losses, extras = [], []
-        for batch in micro_batches:
-            loss, extra = self._forward_backward(batch, context)
-            if self.balance:
-                self.balance.after_micro_batch()
-            losses.append(loss)
-            extras.append(extra)
+        losses, extras = self.schedule.run(micro_batches, context)
         sums = self.objective.finish_step(losses, extras, context)
-        grad_norm = clip_grad_norm_(self.params, self.cfg.trainer.max_grad_norm)
+        grad_norm = clip_grad_norm_(self.params, self.cfg.trainer.max_grad_norm, pp_group=self.pp_group,
+                                    device=self.env.device)
         lr = self.scheduler.get_last_lr()[0]
         finite = self.guard.step_is_finite(self.objective.finite_value(sums), grad_norm)
         if finite:
@@ -492,6 +500,8 @@ def run(cfg: Any) -> dict[str, Any]:
     """Fine-tune as `cfg` (a `FinetuneConfig`-shaped DictConfig) says; returns the summary."""
     started = time.perf_counter()
     model_config, plan = validate_config(cfg)
+    if problems := pipeline_problems(cfg):
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     # Before any process group or model: every rank plans its own launch, so all stop alike.
     preflight(cfg, (model_config, plan), plan.world_size)
     with distributed(cfg.trainer.device) as env:

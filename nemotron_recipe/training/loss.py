@@ -81,8 +81,9 @@ def forward_loss_sums(
     kwargs = {} if document_ids is None else {"document_ids": document_ids}
     if token_mask is not None:
         kwargs["token_mask"] = token_mask
-    if loss_chunk_size:
-        kwargs.update(targets=targets, loss_chunk_size=loss_chunk_size)
+    # A pipeline's model computes its loss on the last stage and returns no logits: it always takes targets.
+    if loss_chunk_size or getattr(model, "returns_loss_sums", False):
+        kwargs.update(targets=targets, loss_chunk_size=loss_chunk_size or 0)
     if mtp is not None:
         kwargs.update(targets=targets, mtp_input_ids=mtp[0], mtp_targets=mtp[1])
     out = model(input_ids, **kwargs)

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
@@ -61,25 +62,43 @@ def _group_by_mesh(parameters: Iterable[torch.Tensor]) -> dict[Any, list[torch.T
 
 
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float | None, norm_type: float = 2.0
+    parameters: Iterable[torch.Tensor], max_norm: float | None, norm_type: float = 2.0,
+    pp_group: dist.ProcessGroup | None = None, device: torch.device | None = None,
 ) -> torch.Tensor:
     """Total gradient norm over all ranks (returned before clipping); scales gradients to `max_norm`.
 
     Tensor and sequence parallel leave some gradients on a (dp, tp) mesh and others on the dp mesh
     alone, and one norm computation cannot mix meshes, so each mesh's share is reduced on its own
-    mesh and the shares are combined as plain tensors. `max_norm=None` only measures.
+    mesh and the shares are combined as plain tensors. `max_norm=None` only measures. `pp_group`: the
+    ranks holding the other stages of a pipeline, whose gradients are the rest of the model's: their
+    shares are combined too, so every stage clips by the whole model's norm.
     """
     groups = _group_by_mesh(parameters)
-    if not groups:
+    if not groups and pp_group is None:
         return torch.zeros(())
     norms = []
     for params in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type, error_if_nonfinite=False)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    device = norms[0].device
-    stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
+    device = norms[0].device if norms else (device or torch.device("cpu"))
+    stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms]) if norms \
+        else torch.zeros(1, device=device)
     total = stacked.max() if math.isinf(norm_type) else torch.linalg.vector_norm(stacked, norm_type)
+    if pp_group is not None:
+        total = _over_stages(total, norm_type, pp_group)
     if max_norm is not None:
         for params in groups.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
+
+
+def _over_stages(norm: torch.Tensor, norm_type: float, group: dist.ProcessGroup) -> torch.Tensor:
+    """The norm over every stage's share: the max of the shares (inf-norm), else the p-th root of the
+    sum of their p-th powers."""
+    if math.isinf(norm_type):
+        norm = norm.clone()
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    powered = norm.double() ** norm_type
+    dist.all_reduce(powered, group=group)
+    return (powered ** (1.0 / norm_type)).to(norm.dtype)

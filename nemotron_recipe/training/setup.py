@@ -17,10 +17,14 @@ from nemotron_recipe.models.nemotron_v3.parallelization import PARALLELIZER
 
 def parallelize_model(
     model: nn.Module, plan: ParallelPlan, meshes: ParallelMeshes,
-    reapply_trainability: Callable[[nn.Module], None] | None = None,
+    reapply_trainability: Callable[[nn.Module], None] | None = None, pipeline: Any = None,
 ) -> nn.Module:
     """Apply the plan's TP/SP/CP/AC/FSDP2 with the model's own parallelizer. `reapply_trainability`
-    (LoRA's freezing) runs once tensor parallel has replaced the parameters, before FSDP."""
+    (LoRA's freezing) runs once tensor parallel has replaced the parameters, before FSDP. With a
+    `pipeline` (training.pipeline.runtime.Pipeline) the model is first cut into this rank's stages,
+    each parallelized as a model of its own; the result holds them under the model's names."""
+    if pipeline is not None:
+        return pipeline.parallelize(model, lambda stage: parallelize_model(stage, plan, meshes, reapply_trainability))
     model = PARALLELIZER.parallelize(model, plan, meshes, reapply_trainability=reapply_trainability)
     # Each micro-batch's loss is already divided by the token count of the whole global batch, so
     # the data-parallel ranks' gradients add up to the batch's gradient: sum them, do not average.

@@ -567,13 +567,19 @@ class MultiTokenPrediction(nn.Module):
         embed: Callable[[torch.Tensor], torch.Tensor],
         document_ids: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
+        embedded_ids: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """hidden [b, l, d] (the main model's output), shifted_ids [b, l, depths] (`shift_for_mtp`)
         -> each depth's hidden states [b, l, d]. `token_mask`: the main sequence's real tokens, which
-        MoE blocks count their loads over (positions, like the padding, are the main sequence's)."""
+        MoE blocks count their loads over (positions, like the padding, are the main sequence's).
+        `embedded_ids` [b, l, depths, d]: the shifted ids already embedded, where the embedding lives
+        elsewhere (a pipeline's first stage); `shifted_ids` and `embed` are then not used."""
         out = []
         for depth in range(self.depths):
-            embedded = embed(shifted_ids[..., depth].contiguous())
+            if embedded_ids is not None:
+                embedded = embedded_ids[:, :, depth]
+            else:
+                embedded = embed(shifted_ids[..., depth].contiguous())
             for j in range(self.per_depth):
                 layer = self.layers[depth * self.per_depth + j]
                 hidden = layer(hidden, document_ids=document_ids, token_mask=token_mask,

@@ -160,6 +160,15 @@ def _embedding_and_head(model: nn.Module) -> tuple[str, str, str]:
     return f"{owner}.embeddings", f"{owner}.norm_f", "lm_head"
 
 
+def _held(model: nn.Module, path: str) -> nn.Module | None:
+    """The module at `path`, or None where the model does not hold it: a pipeline stage keeps the
+    embedding (first stage) or the final norm and head (last stage) only where they run."""
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
 # ------------------------------------------------------------------------------- plans
 def _gather_sequence() -> ParallelStyle:
     return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
@@ -249,7 +258,7 @@ def model_plan(model: nn.Module, *, native: bool, sequence_parallel: bool, plan:
         styles[head] = ColwiseParallel(input_layouts=head_input, output_layouts=Shard(-1), use_local_output=False)
     else:
         styles[head] = ColwiseParallel(input_layouts=head_input, output_layouts=Replicate())
-    return styles
+    return {path: style for path, style in styles.items() if _held(model, path) is not None}
 
 
 # ------------------------------------------------------------------------------- validation
@@ -510,16 +519,18 @@ def apply_fsdp(model, blocks, dp_mesh, mp_policy, offload_policy, reshard_after_
                        offload_policy=offload_policy or OffloadPolicy(), reshard_after_forward=reshard)
         shard_by_dtype(block, reshard_after_forward=reshard, **common)
     embed_path, _, head_path = _embedding_and_head(model)
-    embedding, head = model.get_submodule(embed_path), model.get_submodule(head_path)
-    if head.weight is embedding.weight:
+    embedding, head = _held(model, embed_path), _held(model, head_path)
+    if embedding is not None and head is not None and head.weight is embedding.weight:
         logger.info("tied embedding and head: one unit, the root's")
     else:
-        for module in (embedding, head):  # adapters there when target_modules names them
+        for module in (m for m in (embedding, head) if m is not None):  # adapters there when target_modules names them
             shard_adapters(module, mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy(),
                            offload_policy=offload_policy or OffloadPolicy(), reshard_after_forward=reshard)
-        shard_by_dtype(embedding, reshard_after_forward=reshard, **common)
-        # Backward needs the head's weight right after forward: keep it gathered unless told otherwise.
-        shard_by_dtype(head, reshard_after_forward=bool(reshard_after_forward), **common)
+        if embedding is not None:
+            shard_by_dtype(embedding, reshard_after_forward=reshard, **common)
+        if head is not None:
+            # Backward needs the head's weight right after forward: keep it gathered unless told otherwise.
+            shard_by_dtype(head, reshard_after_forward=bool(reshard_after_forward), **common)
     # The root's parameters (the final norm) are needed again at once by the head: keep them gathered.
     shard_by_dtype(model, reshard_after_forward=False, **common)
 

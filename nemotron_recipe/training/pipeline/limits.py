@@ -1,0 +1,26 @@
+"""What a pipeline-parallel mesh does not run: each refused before any process group or model exists."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def pipeline_problems(cfg: Any) -> list[str]:
+    """Settings a pipeline-parallel run (mesh.pp > 1) cannot train with, each naming its field and a fix;
+    checked on every rank before any process group or model exists."""
+    pp = int(getattr(cfg.mesh, "pp", 1))
+    if pp <= 1:
+        return []
+    problems = []
+    if cfg.objective.name != "sft":
+        problems.append(f"objective.name={cfg.objective.name} with mesh.pp={pp}: a pipeline trains the sft objective "
+                        "only (a preference pair's log-probs need the whole sequence on one stage). Fix: "
+                        "objective=sft, or mesh.pp=1 with FSDP/TP to fit the model.")
+    if cfg.eval.sample_tokens:
+        problems.append(f"eval.sample_tokens={cfg.eval.sample_tokens} with mesh.pp={pp}: samples are decoded token "
+                        "by token on the training model, which a pipeline holds in pieces. Fix: eval.sample_tokens=0 "
+                        "(the exported checkpoint generates with `python -m recipes.generate`).")
+    if cfg.trainer.compile:
+        problems.append(f"trainer.compile=true with mesh.pp={pp}: compiling pipeline stages is not supported. "
+                        "Fix: trainer.compile=false.")
+    return problems
