@@ -384,7 +384,10 @@ def _local_slice(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 def set_full_values(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
     """Copies each full (unsharded) adapter tensor of `values` into this rank's shard of it."""
     params = adapter_parameters(model)
+    elsewhere = set(getattr(model, "adapter_shapes", {})) - set(params)  # a pipeline's other stages hold these
     for name, full in values.items():
+        if name in elsewhere:
+            continue
         param = params[name]
         local = param.to_local() if isinstance(param, DTensor) else param
         local.copy_(_local_slice(param, full.to(local.dtype)))
@@ -393,17 +396,19 @@ def set_full_values(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
 def initial_values(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """Full adapter tensors as PEFT initialises them: `A` uniform in +-1/sqrt(in) (nn.Linear's default),
     `B` zero; an embedding's `A` zero and `B` standard normal. Drawn in name order from `seed` alone, the
-    same on every rank and mesh."""
+    same on every rank and mesh. A model holding part of one (a pipeline's stages) names every adapter of
+    the whole model in `adapter_shapes`: all are drawn, so each part gets what one process would."""
     gen = torch.Generator().manual_seed(seed)
+    shapes = getattr(model, "adapter_shapes", None) or {n: p.shape for n, p in adapter_parameters(model).items()}
     values = {}
-    for name, param in sorted(adapter_parameters(model).items()):
+    for name, shape in sorted(shapes.items()):
         if name.endswith("lora_embedding_B"):
-            values[name] = torch.empty(param.shape).normal_(generator=gen)
+            values[name] = torch.empty(shape).normal_(generator=gen)
         elif name.endswith(("lora_A.weight", ".A")):
-            bound = 1.0 / math.sqrt(param.shape[-1])
-            values[name] = torch.empty(param.shape).uniform_(-bound, bound, generator=gen)
+            bound = 1.0 / math.sqrt(shape[-1])
+            values[name] = torch.empty(shape).uniform_(-bound, bound, generator=gen)
         else:
-            values[name] = torch.zeros(param.shape)
+            values[name] = torch.zeros(shape)
     return values
 
 

@@ -1,8 +1,8 @@
 """One rank's share of a pipeline: which stages it runs, the model cut into them, and their schedule.
 
 `Pipeline` is built once from the run's settings and meshes. `parallelize` cuts the full model at the
-split's stage starts, keeps this rank's stages (interleaved: stages r, r + pp, ...; zbv: r and
-2 pp - 1 - r), applies the model's parallelizer to each as to a model, and returns them as one
+split's stage starts, keeps this rank's stages (one, or under interleaved 1F1B stages r, r + pp, ...),
+applies the model's parallelizer to each as to a model, and returns them as one
 `PipelineParts`, which the trainer holds as its model. `schedule` then gives the step's schedule.
 """
 
@@ -64,9 +64,9 @@ class Pipeline:
         """The step's schedule over the stages `parallelize` made; validation runs through it too."""
         if self.parts is None:
             raise RuntimeError("Pipeline.schedule: parallelize the model first")
-        last_rank = stage_rank(self.num_stages - 1, self.plan.pp, self.schedule_name)
+        ranks = [stage_rank(s, self.plan.pp, self.schedule_name) for s in range(self.num_stages)]
         schedule = PipelineSchedule(self.parts.stages, self.inputs, schedule=self.schedule_name,
-                                    pp_group=self.meshes.pp.get_group(), last_stage_rank=last_rank,
+                                    pp_group=self.meshes.pp.get_group(), stage_ranks=ranks,
                                     device=self.device, shapes=self.shapes, balance=balance)
         self.parts.run = schedule.forward_only
         return schedule

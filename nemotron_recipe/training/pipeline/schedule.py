@@ -5,7 +5,7 @@ back each micro-batch's loss sums, whatever runs them:
 - `MicroBatchLoop`, the one-stage schedule: each micro-batch's forward and backward in turn on this
   rank's whole model (the objective's `forward_backward`);
 - `PipelineSchedule`: the micro-batches flow through the pipeline's stages under one of
-  `torch.distributed.pipelining`'s schedules (`SCHEDULES`); the last stage computes the losses, which
+  `torch.distributed.pipelining`'s schedules (`SCHEDULES`: GPipe, 1F1B, interleaved 1F1B); the last stage computes the losses, which
   are then handed to every stage so that metrics, the non-finite guard and the step's sums read alike
   on every rank.
 
@@ -28,19 +28,18 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
 )
 
 from nemotron_recipe.training.loss import IGNORE_INDEX
 from nemotron_recipe.training.pipeline.stages import LAST_STAGE_OUTPUTS, PipelineStageModel, StageInputs
 
+# `zbv` (ScheduleZBVZeroBubble) is refused before the run (training.pipeline.limits).
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "zbv": ScheduleZBVZeroBubble,
 }
-MULTI_STAGE = ("interleaved_1f1b", "zbv")
+MULTI_STAGE = ("interleaved_1f1b",)
 
 
 class MicroBatchLoop:
@@ -102,11 +101,13 @@ class PipelineSchedule:
     """Runs a step's micro-batches through this rank's stages, and one batch forward-only (validation)."""
 
     def __init__(self, stages: list[PipelineStageModel], inputs: StageInputs, *, schedule: str, pp_group: Any,
-                 last_stage_rank: int, device: torch.device, shapes: Callable[[int, int, bool], StageShapes],
+                 stage_ranks: list[int], device: torch.device, shapes: Callable[[int, int, bool], StageShapes],
                  balance: Any = None) -> None:
         self.stages, self.inputs, self.name = stages, inputs, schedule
         self.pp_group, self.device, self.shapes = pp_group, device, shapes
-        self.last_rank = dist.get_global_rank(pp_group, last_stage_rank)
+        # The global rank of each stage's holder in this rank's pipeline.
+        self.ranks = [dist.get_global_rank(pp_group, r) for r in stage_ranks]
+        self.last_rank = self.ranks[-1]
         self.first = any(s.is_first for s in stages)
         self.balance = balance
         inputs.after_forward = self._after_forward if balance else None
@@ -115,33 +116,53 @@ class PipelineSchedule:
     def _after_forward(self, stage: PipelineStageModel) -> None:
         self.balance.after_micro_batch(stage)
 
-    def _schedule(self, n: int, batch: int, length: int, train: bool):
-        key = (n, batch, length, train)
+    def _schedule(self, n: int, batch: int, length: int):
+        key = (n, batch, length)
         if key not in self._built:
-            shapes = self.shapes(batch, length, train)
+            shapes = self.shapes(batch, length, True)
             pipeline_stages = [
                 PipelineStage(s, s.stage_index, s.num_stages, self.device, input_args=shapes.inputs(s),
                               output_args=shapes.outputs(s), group=self.pp_group)
                 for s in self.stages
             ]
-            kind = SCHEDULES[self.name] if train else ScheduleGPipe
-            stages = pipeline_stages if kind in (ScheduleInterleaved1F1B, ScheduleZBVZeroBubble) else pipeline_stages[0]
-            self._built[key] = kind(stages, n, loss_fn=_objective_share if train else None, scale_grads=False)
+            stages = pipeline_stages if self.name in MULTI_STAGE else pipeline_stages[0]
+            self._built[key] = SCHEDULES[self.name](stages, n, loss_fn=_objective_share, scale_grads=False)
         return self._built[key]
+
+    @torch.no_grad()
+    def _forward_pass(self, batch: dict[str, torch.Tensor]) -> None:
+        """One batch through every stage in order, forward only (validation): each rank runs its stages
+        and sends their outputs to the next stage's rank, whatever the schedule's placement."""
+        shapes = self.shapes(*batch["input_ids"].shape, False)
+        held = {s.stage_index: s for s in self.stages}
+        carried: tuple[torch.Tensor, ...] = ()
+        for index, rank in enumerate(self.ranks):
+            stage = held.get(index)
+            if stage is None:
+                continue
+            if index == 0:
+                carried = (batch["input_ids"].to(self.device),)
+            elif index - 1 not in held:
+                carried = tuple(torch.empty(t.shape, dtype=t.dtype, device=self.device) for t in shapes.inputs(stage))
+                for t in carried:
+                    dist.recv(t, src=self.ranks[index - 1], group=self.pp_group)
+            out = stage(*carried)
+            carried = out if isinstance(out, tuple) else (out,)
+            if index + 1 < len(self.ranks) and index + 1 not in held:
+                for t in carried:
+                    dist.send(t.contiguous(), dst=self.ranks[index + 1], group=self.pp_group)
 
     def _step(self, batches: list[dict[str, torch.Tensor]], *, train: bool) -> torch.Tensor:
         """Runs `batches` through the stages; returns [micro-batches, 2] (loss sum, MTP loss sum) of each,
         the same on every stage."""
-        batch, length = batches[0]["input_ids"].shape
-        schedule = self._schedule(len(batches), batch, length, train)
-        ids = torch.cat([b["input_ids"] for b in batches]).to(self.device)
-        target = torch.zeros(len(batches), device=self.device)
-        args = (ids,) if self.first else ()
         if train:
-            schedule.step(*args, target=target, return_outputs=False)
+            schedule = self._schedule(len(batches), *batches[0]["input_ids"].shape)
+            ids = torch.cat([b["input_ids"] for b in batches]).to(self.device)
+            target = torch.zeros(len(batches), device=self.device)
+            schedule.step(*((ids,) if self.first else ()), target=target, return_outputs=False)
         else:
-            with torch.no_grad():
-                schedule.eval(*args, target=target)
+            for batch in batches:
+                self._forward_pass(batch)
         sums = torch.zeros(len(batches), 2, dtype=torch.float32, device=self.device)
         if self.inputs.sums:
             for index, (main, mtp) in self.inputs.sums.items():

@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from nemotron_recipe.models.nemotron_v3 import NemotronHForCausalLM
+from nemotron_recipe.models.nemotron_v3.lora import adapter_parameters
 
 # What the last stage returns: [its share of the step's objective, main loss sum, MTP loss sum].
 LAST_STAGE_OUTPUTS = 3
@@ -119,11 +120,11 @@ class PipelineStageModel(NemotronHForCausalLM):
             hidden, *carried = received
         for block in self.model.ordered_layers():
             hidden = block(hidden, document_ids=document_ids, token_mask=token_mask)
+        out = self._losses(index, self.model.norm_f(hidden), carried, batch) if self.is_last else (hidden, *carried)
+        # After the MTP layers too: their MoE blocks' loads are this micro-batch's only from here on.
         if self.training and torch.is_grad_enabled() and self.inputs.after_forward is not None:
             self.inputs.after_forward(self)
-        if not self.is_last:
-            return (hidden, *carried)
-        return self._losses(index, self.model.norm_f(hidden), carried, batch)
+        return out
 
     def _losses(self, index: int, hidden: torch.Tensor, carried, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The micro-batch's loss sums, recorded for the step's metrics, and its share of the objective:
@@ -187,7 +188,15 @@ class PipelineParts(nn.Module):
             self.mtp = last.mtp
         else:
             self.mtp = None
+        # Every adapter of the whole model (LoRA): each is drawn at init as on one process (lora.initial_values).
+        self.adapter_shapes = {name: tuple(p.shape) for name, p in adapter_parameters(full).items()}
         self.run: Callable[..., object] | None = None
+
+    def train(self, mode: bool = True) -> PipelineParts:
+        super().train(mode)
+        for stage in self.stages:  # not registered here, and their forwards read their own mode
+            stage.train(mode)
+        return self
 
     def forward(self, input_ids: torch.Tensor, **kwargs):
         if self.run is None:

@@ -1,0 +1,179 @@
+"""Pipeline parallel against one process: the recipe's metrics rows (loss, gradient norm, MTP loss, MoE
+balance) of five fp32 steps, checkpoints resumed across pipeline sizes, and the export of a pipeline's
+checkpoint.
+
+The model holds every block kind (pattern ME*M-ME: MoE blocks on both stages) with tiny dims, trains with
+the MoE bias updates and the sequence-wise balance loss, and is split by estimated cost, which here
+differs from the equal split. Every variant of one world size runs in one torchrun launch
+(tests/distributed/pipeline_worker.py); the single-process references run in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+from helpers import REPO, RUN_BASE, SMALL_DIMS, compose_run, metrics_rows
+from nemotron_recipe.config import build_model_config
+from nemotron_recipe.training.finetune import run
+from nemotron_recipe.training.hf_io import export_hf
+from nemotron_recipe.training.pipeline.limits import pipeline_problems
+from nemotron_recipe.training.pipeline.split import equal_starts, plan_split
+
+WORKER = REPO / "tests" / "distributed" / "pipeline_worker.py"
+RTOL = 1e-5  # losses and gradient norms, relative, per step
+PARAM_ATOL = 1e-5  # the trained parameters after five steps
+MODEL = [f"model.{k}={v}" for k, v in SMALL_DIMS.items() if k != "vocab_size"] + ["model.pattern=ME*M-ME"]
+BASE = [*RUN_BASE, "eval.sample_tokens=0", "trainer.micro_batch_size=1", "trainer.max_steps=5", "trainer.val_every=0",
+        "optim.warmup_steps=2", "moe.bias_update_rate=0.01", "moe.aux_loss_coeff=0.01", "checkpoint.every=3", *MODEL]
+MTP_LORA = ["model.num_nextn_predict_layers=1", "peft=lora"]  # LoRA adapters on a model with MTP layers
+COMPARED = ("loss", "grad_norm", "mtp_loss", "moe_aux_loss", "moe_load_imbalance")
+
+TWO_RANK = {  # name: (overrides, plant)
+    "pp2": (["mesh=pp2"], None),
+    "interleaved": (["mesh=pp2", "mesh.pp_schedule=interleaved_1f1b", "mesh.pp_virtual_stages=2"], None),
+    "gpipe_mtp_lora": (["mesh=pp2", "mesh.pp_schedule=gpipe", *MTP_LORA], None),
+    "drop_block": (["mesh=pp2", "trainer.max_steps=2", "checkpoint.every=0"], "drop_block"),
+    "no_normaliser": (["mesh=pp2", "trainer.max_steps=2", "checkpoint.every=0"], "no_normaliser"),
+}
+FOUR_RANK = {
+    "pp2_fsdp2": (["mesh=pp2_fsdp"], None),
+    "pp2_tp2_sp": (["mesh=pp2", "mesh.tp=2", "mesh.sequence_parallel=true"], None),
+    "pp2_ep2": (["mesh=pp2", "mesh.dp_shard=2", "mesh.ep=2"], None),
+}
+
+
+def torchrun(nproc: int, jobs: list[dict], cwd: Path, timeout: int = 600) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                           str(WORKER), json.dumps(jobs)], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+def train_rows(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in metrics_rows(run_dir) if "loss" in r}
+
+
+def worst(rows: dict[int, dict], ref: dict[int, dict], keys=COMPARED) -> dict[str, float]:
+    """The largest relative difference of each metric over the steps both runs logged."""
+    assert set(rows) <= set(ref) and rows, (sorted(rows), sorted(ref))
+    out = {}
+    for key in keys:
+        pairs = [(r[key], ref[s][key]) for s, r in rows.items() if key in ref[s]]
+        assert len(pairs) == sum(key in r for r in rows.values()), f"{key}: logged by one run only"
+        if pairs:
+            out[key] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The single-process references, then one 2-rank and one 4-rank launch; returns the base dir and timings."""
+    base = tmp_path_factory.mktemp("pipeline")
+    began = time.perf_counter()
+    run(compose_run(base / "ref", *BASE))
+    run(compose_run(base / "ref_mtp_lora", *BASE, *MTP_LORA))
+    times = {"references_s": time.perf_counter() - began}
+
+    def jobs(variants):
+        return [{"overrides": [*BASE, *o, f"run_dir={base / name}"], "plant": plant} for name, (o, plant) in
+                variants.items()]
+
+    began = time.perf_counter()
+    torchrun(2, jobs(TWO_RANK), base)
+    times["two_rank_s"] = time.perf_counter() - began
+    step3 = base / "ref" / "checkpoints" / "step_000003"
+    began = time.perf_counter()
+    torchrun(4, [*jobs(FOUR_RANK), {"overrides": [*BASE, "mesh=pp2_fsdp", f"checkpoint.resume={step3}",
+                                                  f"run_dir={base / 'resumed_pp2_fsdp2'}"], "plant": None}], base)
+    times["four_rank_s"] = time.perf_counter() - began
+    (base / "times.json").write_text(json.dumps(times))
+    return base
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["pp2", "interleaved", "gpipe_mtp_lora", "pp2_fsdp2", "pp2_tp2_sp", "pp2_ep2"])
+def test_pipeline_matches_one_process(runs, name):
+    ref = train_rows(runs / ("ref_mtp_lora" if "mtp" in name else "ref"))
+    rows = train_rows(runs / name)
+    assert sorted(rows) == [1, 2, 3, 4, 5]
+    errors = worst(rows, ref)
+    assert {"loss", "grad_norm", "moe_aux_loss", "moe_load_imbalance"} <= set(errors)
+    if "mtp" in name:
+        assert "mtp_loss" in errors
+    assert max(errors.values()) <= RTOL, errors
+    summary = json.loads((runs / name / "summary.json").read_text())
+    assert summary["mesh"]["pp"] == 2
+    # Validation before and after training runs through the stages too.
+    val = lambda d: [r["val_loss"] for r in metrics_rows(d) if "val_loss" in r]  # noqa: E731
+    assert val(runs / name) == pytest.approx(val(runs / ("ref_mtp_lora" if "mtp" in name else "ref")), rel=RTOL)
+
+
+@pytest.mark.distributed
+def test_planted_faults_are_caught(runs):
+    ref = train_rows(runs / "ref")
+    # A wrong stage boundary (a block left out) changes the loss far beyond the tolerance ...
+    assert worst(train_rows(runs / "drop_block"), ref, ("loss",))["loss"] > 100 * RTOL
+    # ... and a missing normalisation by the step's tokens the gradient norm (the logged loss is the sums').
+    assert worst(train_rows(runs / "no_normaliser"), ref, ("grad_norm",))["grad_norm"] > 100 * RTOL
+
+
+@pytest.mark.distributed
+def test_cost_split_differs_from_equal_split(tmp_path):
+    config = build_model_config(compose_run(tmp_path, *BASE).model)
+    assert set(config.pattern) == set("ME*-")
+    split = plan_split(config, 2, seq_len=64, micro_batch=1)
+    assert split.starts != equal_starts(config.num_layers, 2)
+
+
+@pytest.mark.distributed
+def test_resume_across_pipeline_sizes(runs, tmp_path):
+    ref = train_rows(runs / "ref")
+    # Saved by a 2-stage pipeline, resumed on one process.
+    step3 = runs / "pp2" / "checkpoints" / "step_000003"
+    assert json.loads((step3 / "meta.json").read_text())["mesh"]["pp"] == 2
+    summary = run(compose_run(tmp_path, *BASE, f"checkpoint.resume={step3}"))
+    assert summary["resumed_from"] == 3
+    assert max(worst(train_rows(tmp_path), ref).values()) <= RTOL
+    # Saved by one process, resumed on pp 2 x fsdp 2.
+    resumed = train_rows(runs / "resumed_pp2_fsdp2")
+    assert sorted(resumed) == [4, 5]
+    assert max(worst(resumed, ref).values()) <= RTOL
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name,ref", [("pp2", "ref"), ("gpipe_mtp_lora", "ref_mtp_lora")])
+def test_export_from_a_pipeline_checkpoint(runs, tmp_path, name, ref):
+    """The Hugging Face export (full fine-tuning) and the PEFT adapter export (LoRA) of a pipeline's final
+    checkpoint: every stage's tensors, under the same names and within 1e-5 of the single-process run's
+    export (router biases, which the bias updates moved on both stages, included)."""
+    ours = export_hf(runs / name / "checkpoints" / "step_000005", tmp_path / name)
+    theirs = export_hf(runs / ref / "checkpoints" / "step_000005", tmp_path / ref)
+    files = sorted(p.name for p in theirs.glob("*.safetensors"))
+    assert files and files == sorted(p.name for p in ours.glob("*.safetensors"))
+    for file in files:
+        mine, reference = load_file(ours / file), load_file(theirs / file)
+        assert mine.keys() == reference.keys()
+        diffs = {k: (mine[k].float() - reference[k].float()).abs().max().item() for k in reference}
+        assert max(diffs.values()) <= PARAM_ATOL, max(diffs.items(), key=lambda kv: kv[1])
+        if name == "pp2":
+            moved = [k for k in reference if "e_score_correction_bias" in k and reference[k].abs().sum() > 0]
+            assert len(moved) == 2  # one MoE block on each stage
+
+
+def test_pipeline_refuses_what_it_cannot_run(tmp_path):
+    assert pipeline_problems(compose_run(tmp_path, *BASE, "mesh=pp2")) == []
+    for overrides, field in ((["eval.sample_tokens=4"], "eval.sample_tokens=4"),
+                             (["objective=dpo"], "objective.name=dpo"),
+                             (["trainer.compile=true"], "trainer.compile=true"),
+                             (["mesh.pp_schedule=zbv", "mesh.pp_virtual_stages=2"], "mesh.pp_schedule=zbv")):
+        problems = pipeline_problems(compose_run(tmp_path, *BASE, "mesh=pp2", *overrides))
+        assert len(problems) == 1 and problems[0].startswith(field) and "Fix:" in problems[0], problems
+        assert pipeline_problems(compose_run(tmp_path, *BASE, *overrides)) == []  # without a pipeline: fine
