@@ -318,6 +318,36 @@ def test_super_preset_has_the_released_parameter_counts():
     assert abs(active - 12e9) <= 0.07 * 12e9, active
 
 
+def _counts_by_kind(cfg: NemotronHConfig) -> tuple[int, int, int]:
+    """`_counts` from a model of one block per kind (a block's parameters depend on its kind alone), so that
+    a 108-block model of 512 experts each is counted without building it block by block."""
+    kinds = "".join(dict.fromkeys(cfg.pattern))
+    model = build_meta_model(dataclasses.replace(cfg, pattern=kinds))
+    per_kind = {k: sum(p.numel() for p in model.model.layers[i].parameters()) for i, k in enumerate(kinds)}
+    experts = {k: sum(p.numel() for n, p in model.model.layers[i].named_parameters() if ".experts." in n)
+               for i, k in enumerate(kinds)}
+    outside = sum(p.numel() for p in model.parameters()) - sum(per_kind.values())
+    mtp = sum(p.numel() for p in model.mtp.parameters()) if model.mtp is not None else 0
+    total = outside + sum(per_kind[k] for k in cfg.pattern)
+    routed = sum(experts[k] for k in cfg.pattern)
+    return total, total - mtp, total - mtp - routed + routed * cfg.num_experts_per_tok // cfg.n_routed_experts
+
+
+def test_ultra_preset_has_the_published_parameter_counts():
+    """Nemotron 3 Ultra is published as 550B total, 55B active (the name's "550B-A55B"): the preset's backbone is
+    within 0.2% and its active parameters within 2% (56.1B: the name rounds). With its MTP depth it holds
+    560.5B weights, 1,121 GB in bf16, the size of the BF16 release."""
+    ultra = NemotronHConfig.from_preset("nemotron3_ultra_550b_a55b")
+    total, backbone, active = _counts_by_kind(ultra)
+    assert (len(ultra.pattern), ultra.pattern.count("M"), ultra.pattern.count("E"), ultra.pattern.count("*")) == (
+        108, 48, 48, 12)
+    assert abs(backbone - 550e9) <= 0.002 * 550e9, backbone
+    assert abs(active - 55e9) <= 0.02 * 55e9, active
+    assert round(total * 2 / 1e9) == 1121, total
+    # the by-kind count is the whole model's (checked where building it whole is cheap)
+    assert _counts_by_kind(NemotronHConfig.from_preset("nemotron3_super_120b_a12b"))[0] == SUPER_RELEASED_PARAMETERS
+
+
 # ------------------------------------------------------------------------------------ bad input
 @pytest.mark.parametrize("overrides, needle", [
     ({"moe_latent_size": 65}, "model.moe_latent_size=65"),

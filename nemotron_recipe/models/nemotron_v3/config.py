@@ -381,6 +381,19 @@ PRESETS: dict[str, NemotronHConfig] = {
         moe_shared_expert_intermediate_size=5376, routed_scaling_factor=5.0, n_group=1, topk_group=1,
         moe_latent_size=1024, num_nextn_predict_layers=1, mtp_pattern="*E",
     ),
+    # config.json of huggingface.co/nvidia/NVIDIA-Nemotron-3-Ultra-550B-A55B-BF16 (as reproduced in public
+    # Megatron-LM launch scripts for this checkpoint: --num-layers 108 --hidden-size 8192 --mamba-num-heads 256
+    # --mamba-head-dim 64 --num-experts 512 --moe-router-topk 22 --moe-latent-size 2048 and this
+    # --hybrid-override-pattern, MTP "*E"): 108 blocks (48 Mamba2, 48 LatentMoE, 12 attention), 512 experts of
+    # which 22 per token in a 2048-wide latent space, one MTP depth of attention + MoE. "550B-A55B": Megatron-Bridge
+    # examples/models/nemotron/nemotron_3/ultra/README.md ("550B total / A55B active").
+    "nemotron3_ultra_550b_a55b": _released(
+        "MEMEMEM*EMEMEM*EMEMEMEM*EMEMEMEM*EMEMEM*EMEMEMEM*EMEMEMEM*EMEMEM*EMEMEMEM*EMEMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+        hidden=8192, ffn=5120, heads=64, kv=2, m_heads=256, m_head_dim=64, groups=8, state=128,
+        n_routed_experts=512, num_experts_per_tok=22, moe_intermediate_size=5120,
+        moe_shared_expert_intermediate_size=10240, routed_scaling_factor=5.0, n_group=1, topk_group=1,
+        moe_latent_size=2048, num_nextn_predict_layers=1, mtp_pattern="*E",
+    ),
 }
 
 
@@ -413,6 +426,9 @@ PRESET_LR: dict[str, PresetLR] = {
     # nemotronh/h100/nemotron_3_super.py: nemotron_3_super_sft_16gpu_h100_bf16_config sets lr 5e-6,
     # nemotron_3_super_peft_1gpu_h100_bf16_config 1e-4.
     "nemotron3_super_120b_a12b": PresetLR(full=5e-6, lora=1e-4),
+    # nemotronh/h100/nemotron_3_ultra.py: nemotron_3_ultra_sft_192gpu_h100_bf16_openmathinstruct2_packed_config sets
+    # lr 5e-6, nemotron_3_ultra_peft_32gpu_h100_bf16_openmathinstruct2_packed_config 1e-4.
+    "nemotron3_ultra_550b_a55b": PresetLR(full=5e-6, lora=1e-4),
 }
 
 
@@ -426,6 +442,7 @@ PRESET_SEQ_LEN: dict[str, int] = {
     "nemotron_nano_9b_v2": 2048,
     "nemotron3_nano_30b_a3b": 2048,
     "nemotron3_super_120b_a12b": 2048,
+    "nemotron3_ultra_550b_a55b": 4096,  # its SFT recipe's packed OpenMathInstruct-2 sequences
 }
 
 

@@ -164,15 +164,24 @@ def _link(stride: int, size: int, hw: Hardware) -> float:
     return hw.link_gbps if stride * size <= hw.devices_per_node else hw.ib_gbps
 
 
+def extra_forwards(plan: ParallelPlan, work: Workload) -> int:
+    """Forwards a micro-batch runs beyond its training one: recomputation, DPO's reference."""
+    return int(plan.ac.mode in ("full", "blocks", "every_nth")) + int(work.reference_forward)
+
+
 def step_floor(config: NemotronHConfig, plan: ParallelPlan, work: Workload, traffic: dict[str, float],
                micro_batches: int, hw: Hardware) -> dict[str, float]:
     """Seconds of compute and of traffic per step on one rank, and their maximum (the floor)."""
     flops = training_flops(config, work.micro_batch, work.seq_len) / (plan.tp * plan.cp)
-    recomputed = plan.ac.mode in ("full", "blocks", "every_nth")
-    forwards = int(recomputed) + int(work.reference_forward)
-    if forwards:
+    if forwards := extra_forwards(plan, work):
         flops += forwards * sum(forward_flops(config, work.micro_batch, work.seq_len).values()) / (plan.tp * plan.cp)
     compute = micro_batches * flops / (hw.tflops_per_device * 1e12)
+    comm = comm_seconds(plan, traffic, hw)
+    return {"compute_s": compute, "comm_s": comm, "floor_s": max(compute, comm)}
+
+
+def comm_seconds(plan: ParallelPlan, traffic: dict[str, float], hw: Hardware) -> float:
+    """Seconds of each group's traffic over its link, added up (a rank's collectives run one at a time)."""
     dp_stride = plan.tp * plan.cp
     groups = {
         "fsdp_all_gather": _link(plan.tp, plan.dp_shard * plan.cp, hw),
@@ -184,6 +193,6 @@ def step_floor(config: NemotronHConfig, plan: ParallelPlan, work: Workload, traf
         "ep_all_to_all": _link(plan.tp, plan.ep, hw),
         "offload_h2d": hw.pcie_gbps,
         "offload_d2h": hw.pcie_gbps,
+        "pp_p2p": _link(plan.stage_world_size, plan.pp, hw),  # pp outermost: stages a whole stage's ranks apart
     }
-    comm = sum(traffic[k] * 8 / (groups[k] * 1e9) for k in traffic)
-    return {"compute_s": compute, "comm_s": comm, "floor_s": max(compute, comm)}
+    return sum(traffic[k] * 8 / (groups[k] * 1e9) for k in traffic)

@@ -20,7 +20,7 @@ from .activations import (
     extrapolate,
     trace,
 )
-from .state import StateBytes, model_state
+from .state import StateBytes, model_state, module_state
 from .world import Trainability, fake_world, reduced_config, sharded_meta_model
 
 # The planner simulates every device type on CPU: fake tensors have sizes, not placements.
@@ -64,21 +64,40 @@ class MemoryEstimate:
         return self.state.total + self.reference if self.offload else 0
 
 
+@dataclass(frozen=True)
+class StateParts:
+    """A rank's state (`total`), one block's of each kind, and the ends: the embedding (a pipeline's first
+    stage) and the final norm, lm_head and MTP layers (its last)."""
+
+    total: StateBytes
+    per_kind: dict[str, StateBytes]
+    embedding: StateBytes
+    head: StateBytes
+
+
 class Planner:
     """Estimates for one model and workload under any number of plans, reusing traces."""
 
     def __init__(self, config: NemotronHConfig, work: Workload, trainability: Trainability | None = None) -> None:
         self.config, self.work, self.trainability = config, work, trainability or Trainability()
         self._traces: dict[tuple, ActivationTrace] = {}
-        self._states: dict[ParallelPlan, StateBytes] = {}
+        self._states: dict[ParallelPlan, StateParts] = {}
 
     def state(self, plan: ParallelPlan) -> StateBytes:
+        return self.state_parts(plan).total
+
+    def state_parts(self, plan: ParallelPlan) -> StateParts:
+        """The model's state on one rank, and the parts a pipeline stage holds of it."""
         sim = _simulated(plan)
         if sim not in self._states:
             with fake_world(plan.world_size):
                 reduced = sharded_meta_model(reduced_config(self.config), sim, sim.build_meshes(SIMULATED_DEVICE),
                                              self.trainability)
-                self._states[sim] = model_state(reduced, self.config)[0]
+                total, per_kind = model_state(reduced, self.config)
+                embedding = module_state(reduced.model.embeddings)
+                blocks = sum((state * self.config.pattern.count(kind) for kind, state in per_kind.items()),
+                             StateBytes())
+                self._states[sim] = StateParts(total, per_kind, embedding, total - blocks - embedding)
         return self._states[sim]
 
     def estimate(self, plan: ParallelPlan, *, grad_accum: int = 1, budget: int | None = None,
@@ -91,6 +110,10 @@ class Planner:
         if budget is not None and resident > budget:
             return MemoryEstimate(state, None, grad_accum, plan.offload)
         return MemoryEstimate(state, self._trace(plan, work), grad_accum, plan.offload)
+
+    def trace(self, plan: ParallelPlan, work: Workload | None = None) -> ActivationTrace:
+        """One micro-batch's traced step of the whole model under `plan` (extrapolated where it is long)."""
+        return self._trace(plan, work or self.work)
 
     def _trace(self, plan: ParallelPlan, work: Workload) -> ActivationTrace:
         sim = _simulated(plan)

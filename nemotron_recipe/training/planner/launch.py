@@ -14,6 +14,7 @@ from nemotron_recipe.models.nemotron_v3 import NemotronHConfig
 from .activations import Workload
 from .comms import Hardware, activation_bytes, fsdp_bytes, moe_tp_bytes, offload_bytes, step_floor
 from .estimate import MemoryEstimate, Planner
+from .pipeline_estimate import PipelineLayout, PipelineReport, evaluate_pipeline
 from .world import Trainability
 
 GIB = 2**30
@@ -32,6 +33,7 @@ class Launch:
     device: str = "cuda"  # what the budget is: a GPU's memory, or host memory ("cpu")
     hardware: Hardware = field(default_factory=Hardware)
     reference_copy: bool = False  # objective=dpo reference=copy: a frozen copy of the weights, sharded alike
+    pipeline: PipelineLayout = field(default_factory=PipelineLayout)  # read where plan.pp > 1
 
     @classmethod
     def from_config(cls, cfg: Any, world_size: int, budget: int, device: str = "cuda",
@@ -47,7 +49,7 @@ class Launch:
         work = Workload(t.micro_batch_size * (2 if dpo else 1), t.seq_len, t.loss_chunk_size or None,
                         reference_forward=reference in ("base", "copy"))
         return cls(config, plan, work, accum, Trainability.from_config(cfg), budget, device, hardware or Hardware(),
-                   reference_copy=reference == "copy")
+                   reference_copy=reference == "copy", pipeline=PipelineLayout.from_mesh(cfg.mesh))
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class Outcome:
     estimate: MemoryEstimate
     traffic: dict[str, float]
     time: dict[str, float]
+    pipeline: PipelineReport | None = None  # with pipeline parallel: the split, the schedule played, each rank
 
     @property
     def fits(self) -> bool:
@@ -65,6 +68,8 @@ class Outcome:
 
 
 def evaluate(planner: Planner, launch: Launch) -> Outcome:
+    if launch.plan.pp > 1:
+        return _evaluate_pipeline(planner, launch)
     est = planner.estimate(launch.plan, grad_accum=launch.grad_accum, budget=launch.budget, work=launch.work)
     if launch.reference_copy:  # the copy's parameters are the policy's, frozen (an adapter's worth more)
         est = dataclasses.replace(est, reference=est.state.params)
@@ -78,6 +83,16 @@ def evaluate(planner: Planner, launch: Launch) -> Outcome:
         traffic["moe_tp_all_reduce"] = moe_tp
     time = step_floor(launch.config, launch.plan, launch.work, traffic, launch.grad_accum, launch.hardware)
     return Outcome(launch, est, traffic, time)
+
+
+def _evaluate_pipeline(planner: Planner, launch: Launch) -> Outcome:
+    est, traffic, time, report = evaluate_pipeline(planner, launch)
+    if launch.reference_copy:
+        est = dataclasses.replace(est, reference=est.state.params)
+    if launch.work.reference_forward and "fsdp_all_gather" in traffic:
+        gathers = 1 if launch.plan.reshard_after_forward is False else 2
+        traffic["fsdp_all_gather"] *= (gathers + 1) / gathers
+    return Outcome(launch, est, traffic, time, report)
 
 
 def with_plan(launch: Launch, **changes: Any) -> Launch:

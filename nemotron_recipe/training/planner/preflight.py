@@ -44,6 +44,13 @@ def device_memory(device: str) -> tuple[int, str]:
     return _available_host_memory() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")), kind
 
 
+def _where(outcome) -> str:
+    """Which pipeline rank the figure is for (the one that needs the most)."""
+    if outcome.pipeline is None:
+        return ""
+    return f" on pipeline rank {outcome.pipeline.rank} of {outcome.launch.plan.pp}"
+
+
 def preflight(cfg: Any, validated: tuple, world_size: int) -> None:
     """Raises `PreflightError` (or warns, under `trainer.preflight=warn`) when the launch will not fit."""
     mode = cfg.trainer.preflight
@@ -62,8 +69,8 @@ def preflight(cfg: Any, validated: tuple, world_size: int) -> None:
     at_least = "" if outcome.estimate.trace is not None else "at least "
     lines = [(f"pre-flight: this launch needs {at_least}{outcome.estimate.device_total / GIB:.2f} GiB per rank "
              f"(parameters {outcome.estimate.state.params / GIB:.2f}, gradients {outcome.estimate.state.grads / GIB:.2f}, "
-             f"optimizer {outcome.estimate.state.optimizer / GIB:.2f} GiB, plus activations), but the {kind} has "
-             f"{budget / GIB:.2f} GiB per rank. Fix, ranked:")]
+             f"optimizer {outcome.estimate.state.optimizer / GIB:.2f} GiB, plus activations){_where(outcome)}, but the "
+             f"{kind} has {budget / GIB:.2f} GiB per rank. Fix, ranked:")]
     lines += suggestion_lines(suggest(planner, launch, outcome, limit=5)) or [
         "  no single change tried fits (up to 64x the ranks): a smaller model or a device with more memory"]
     lines.append("Plan other layouts with `python -m recipes.plan <the same overrides>`, or skip this check with "

@@ -43,10 +43,34 @@ def as_dict(outcome: Outcome, suggestions: list[Suggestion]) -> dict[str, Any]:
         "step_time_s": dict(outcome.time),
         "hardware": {"tflops_per_device": hw.tflops_per_device, "link_gbps": hw.link_gbps, "ib_gbps": hw.ib_gbps,
                      "devices_per_node": hw.devices_per_node, "pcie_gbps": hw.pcie_gbps},
+        "pipeline": _pipeline_dict(outcome),
         "suggestions": [{"change": s.change, "total_gib": _gib(s.outcome.estimate.device_total),
                          "fits": s.outcome.fits, "floor_s": s.outcome.time["floor_s"]}
                         for s in suggestions],
     }
+
+
+def _pipeline_dict(outcome: Outcome) -> dict[str, Any] | None:
+    r = outcome.pipeline
+    if r is None:
+        return None
+    return {"schedule": r.layout.schedule, "virtual_stages": r.layout.virtual_stages,
+            "split_points": r.split.split_points, "by_hand": r.split.by_hand,
+            "stage_time_shares": [round(x, 4) for x in r.split.shares],
+            "slowest_share": round(r.split.slowest_share, 4), "equal_split_slowest_share": round(r.split.equal_slowest_share, 4),
+            "bubble": round(r.played.bubble, 4), "rank_total_gib": [_gib(t) for t in r.rank_totals],
+            "reported_rank": r.rank, "rank_stages": [list(s) for s in r.rank_stages]}
+
+
+def pipeline_lines(outcome: Outcome) -> list[str]:
+    r = outcome.pipeline
+    if r is None:
+        return []
+    n, pp = outcome.launch.grad_accum, outcome.launch.plan.pp
+    totals = ", ".join(f"{_gib(t):.2f}" for t in r.rank_totals)
+    return [f"pipeline: pp={pp}, {r.split.n_stages} stages, {r.layout.schedule} over {n} micro-batches per step: "
+            f"bubble {r.played.bubble:.1%} of the step; GiB per pipeline rank [{totals}] (the figures above are "
+            f"rank {r.rank}'s, the largest)", *r.split.describe()]
 
 
 def suggestion_lines(suggestions: list[Suggestion]) -> list[str]:
@@ -83,6 +107,7 @@ def as_text(outcome: Outcome, suggestions: list[Suggestion]) -> str:
                  f"TFLOP/s, traffic {t['comm_s']:.3f} s at {hw['link_gbps']:g} Gbit/s in a node of "
                  f"{hw['devices_per_node']}, {hw['ib_gbps']:g} Gbit/s across, {hw['pcie_gbps']:g} Gbit/s to the host; "
                  "perfect overlap)")
+    lines += pipeline_lines(outcome)
     if suggestions:
         lines.append("faster layouts that also fit, fastest first:" if d["fits"] else "changes that fit, fastest first:")
         lines += suggestion_lines(suggestions)

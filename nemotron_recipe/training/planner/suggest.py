@@ -24,6 +24,7 @@ from nemotron_recipe.models.nemotron_v3.lora import LoRASpec
 
 from .estimate import Planner
 from .launch import Launch, Outcome, evaluate, with_plan
+from .pipeline_estimate import PipelineLayout
 
 MAX_WORLD_FACTOR = 64
 MAX_TP = 8  # tensor parallel stays inside a node
@@ -54,6 +55,23 @@ def _expert_parallel(launch: Launch, max_ep: int) -> Iterator[tuple[str, Launch]
         yield f"mesh.ep={ep}", with_plan(launch, ep=ep)
 
 
+def _pipeline(launch: Launch) -> Iterator[tuple[str, Launch]]:
+    """A pipeline of twice the stages over half the data-parallel ranks: each rank gathers only its stages'
+    blocks, over fewer ranks, and only activations cross between stages. 1F1B where the step has a
+    micro-batch per stage, else GPipe. With a hand split: the balanced one."""
+    p = launch.plan
+    if p.pp > 1 and launch.pipeline.split_points is not None:
+        yield "mesh.pp_split=null", dataclasses.replace(
+            launch, pipeline=dataclasses.replace(launch.pipeline, split_points=None))
+    pp = p.pp * 2
+    if p.dp_shard % 2 or pp > len(launch.config.pattern) or (p.dp_shard // 2 * p.cp) % p.ep:
+        return
+    variant = with_plan(launch, pp=pp, dp_shard=p.dp_shard // 2)
+    layout = PipelineLayout("1f1b" if variant.grad_accum >= pp else "gpipe")
+    change = f"mesh.pp={pp}" + (f" {layout.overrides()}" if layout.overrides() else "")
+    yield change, dataclasses.replace(variant, pipeline=layout)
+
+
 def _split_candidates(launch: Launch) -> Iterator[tuple[str, Launch]]:
     """Other splits of the same ranks: full sharding, sequence parallel, more tensor, context or expert parallel."""
     p = launch.plan
@@ -69,6 +87,7 @@ def _split_candidates(launch: Launch) -> Iterator[tuple[str, Launch]]:
             yield f"mesh.cp={p.cp * 2}", cp
     if "E" in launch.config.pattern and (p.dp_shard * p.cp) % (p.ep * 2) == 0:
         yield f"mesh.ep={p.ep * 2}", with_plan(launch, ep=p.ep * 2)
+    yield from _pipeline(launch)
 
 
 def _memory_candidates(launch: Launch) -> Iterator[tuple[str, Callable[[Launch], Launch]]]:
@@ -166,10 +185,15 @@ def suggest(planner: Planner, launch: Launch, base: Outcome, *, limit: int = 8) 
 
 def speedups(planner: Planner, launch: Launch, *, limit: int = 8) -> list[Suggestion]:
     """For a launch that fits: expert parallel (MoE models) and sequence parallel (tp without it), where
-    they still fit, fastest first."""
+    they still fit, and pipeline layouts that fit with a lower step-time floor; fastest first."""
     planners = {(id(launch.config), launch.trainability, launch.work): planner}
     found = []
     for change, variant in (*_expert_parallel(launch, launch.hardware.devices_per_node), *_sequence_parallel(launch)):
         if (outcome := _evaluate(planners, variant)) is not None and outcome.fits:
             found.append(Suggestion(change, outcome))
+    if (base := _evaluate(planners, launch)) is not None:
+        for change, variant in _pipeline(launch):
+            outcome = _evaluate(planners, variant)
+            if outcome is not None and outcome.fits and outcome.time["floor_s"] < base.time["floor_s"]:
+                found.append(Suggestion(change, outcome))
     return sorted(found, key=lambda s: s.outcome.time["floor_s"])[:limit]
