@@ -166,20 +166,26 @@ def test_a_step_equals_the_definition_with_transformers_and_trls_loss(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- resume, learning
-def test_resume_is_exact_and_reuses_the_precomputed_reference(tmp_path):
-    """Stopped at step 2 and resumed: the uninterrupted run's rows, to the 1e-6 the SFT resume test
-    holds (a fresh allocation can round a CPU kernel's sums differently), the cache read back."""
-    common = [*LORA, "objective.reference=precomputed", "trainer.max_steps=4"]
+@pytest.mark.parametrize("reference, peft", [("base", LORA), ("copy", []), ("precomputed", [])])
+def test_resume_is_exact(tmp_path, reference, peft):
+    """Stopped after step 1 and resumed: the uninterrupted run's rows, bit for bit. Full fine-tuning
+    with a precomputed reference is the case that once differed: the reference's forward before step 1
+    left FSDP's gathered head and final norm in the model, and clipping, reading the model's parameters,
+    measured and scaled every gradient but theirs, unlike a resumed run's first step, which reads the table.
+    A copy is rebuilt from the starting weights, and a precomputed table is read back, not recomputed."""
+    common = [*peft, f"objective.reference={reference}", "trainer.max_steps=2", "eval.sample_tokens=0"]
     dpo_run(tmp_path / "straight", *common)
-    dpo_run(tmp_path / "resumed", *common, "trainer.stop_at_step=2")
+    dpo_run(tmp_path / "resumed", *common, "trainer.stop_at_step=1")
     cache = tmp_path / "resumed" / "reference_logps.pt"
-    written = cache.stat().st_mtime_ns
+    written = cache.stat().st_mtime_ns if reference == "precomputed" else None
     dpo_run(tmp_path / "resumed", *common)
-    assert cache.stat().st_mtime_ns == written  # read back, not computed again from the trained weights
-    straight, resumed = train_rows(tmp_path / "straight"), train_rows(tmp_path / "resumed")
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    for key in ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracy"):
-        assert [r[key] for r in resumed] == pytest.approx([r[key] for r in straight], rel=1e-6, abs=1e-9), key
+    if written is not None:
+        assert cache.stat().st_mtime_ns == written  # read back, not computed again from the trained weights
+    straight, resumed = metrics_rows(tmp_path / "straight"), metrics_rows(tmp_path / "resumed")
+    drop = ("time", "elapsed_s", "tokens_per_s", "trained_tokens_per_s")
+    keep = lambda rows: [{k: v for k, v in r.items() if k not in drop and "per_s" not in k} for r in rows]  # noqa: E731
+    assert [r["step"] for r in resumed if "loss" in r] == [1, 2]
+    assert keep(resumed) == keep(straight)
 
 
 def test_30_steps_on_the_shipped_pairs_raise_validation_reward_accuracy(tmp_path):
