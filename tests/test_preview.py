@@ -73,7 +73,8 @@ def test_dpo_preview_shows_the_pairs_and_masks_a_dpo_step_collates(tmp_path, mon
     common = ["objective=dpo", "peft=lora", "data.val_file=null"]
     batches = []
     begin = dpo_module.DPOObjective.begin_step
-    monkeypatch.setattr(dpo_module.DPOObjective, "begin_step", lambda self, mbs: batches.extend(mbs) or begin(self, mbs))
+    monkeypatch.setattr(dpo_module.DPOObjective, "begin_step",
+                        lambda self, mbs: batches.extend(mbs) or begin(self, mbs))
     run(compose_run(tmp_path, *common, *small, "trainer.max_steps=1", "eval.sample_tokens=0"))
     shown = preview(*common, "preview.n=4", "preview.format=json")
     rows = [(b, half, r) for b in batches for r in range(b["pair_index"].numel()) for half in (0, 1)]

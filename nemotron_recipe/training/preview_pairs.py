@@ -60,8 +60,9 @@ def _summaries(data: PreferenceData, seq_len: int) -> list[dict[str, Any]]:
 
 
 def _half(e: PreviewExample, tok: PreTrainedTokenizerBase) -> dict[str, Any]:
-    return {"text": tok.decode(e.tokens), "trained_text": tok.decode([t for t, m in zip(e.tokens, e.trained_mask) if m]),
-            "tokens": e.tokens, "trained_mask": [int(m) for m in e.trained_mask]}
+    trained = [t for t, m in zip(e.tokens, e.trained_mask) if m]
+    return {"text": tok.decode(e.tokens), "trained_text": tok.decode(trained), "tokens": e.tokens,
+            "trained_mask": [int(m) for m in e.trained_mask]}
 
 
 def pairs_as_json(shown: list[PreviewPair], tok: PreTrainedTokenizerBase, data: PreferenceData, seq_len: int) -> str:
