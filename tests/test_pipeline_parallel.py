@@ -11,6 +11,7 @@ differs from the equal split. Every variant of one world size runs in one torchr
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -41,6 +42,8 @@ TWO_RANK = {  # name: (overrides, plant)
     "gpipe_mtp_lora": (["mesh=pp2", "mesh.pp_schedule=gpipe", *MTP_LORA], None),
     "drop_block": (["mesh=pp2", "trainer.max_steps=2", "checkpoint.every=0"], "drop_block"),
     "no_normaliser": (["mesh=pp2", "trainer.max_steps=2", "checkpoint.every=0"], "no_normaliser"),
+    "nan_first_stage": (["mesh=pp2", "trainer.max_steps=3", "checkpoint.every=0", "trainer.nonfinite=skip"],
+                        "nan_first_stage"),
 }
 FOUR_RANK = {
     "pp2_fsdp2": (["mesh=pp2_fsdp"], None),
@@ -125,6 +128,17 @@ def test_planted_faults_are_caught(runs):
     assert worst(train_rows(runs / "drop_block"), ref, ("loss",))["loss"] > 100 * RTOL
     # ... and a missing normalisation by the step's tokens the gradient norm (the logged loss is the sums').
     assert worst(train_rows(runs / "no_normaliser"), ref, ("grad_norm",))["grad_norm"] > 100 * RTOL
+
+
+@pytest.mark.distributed
+def test_a_nan_on_the_first_stage_skips_the_step_on_every_stage(runs):
+    """The first stage's NaN reaches the last stage's loss and the first stage's gradients: every rank
+    agrees the step is not finite, none takes it, and the next step trains on the weights before it."""
+    rows = train_rows(runs / "nan_first_stage")
+    assert [rows[s].get("skipped", False) for s in (1, 2, 3)] == [False, True, False]
+    assert json.loads((runs / "nan_first_stage" / "summary.json").read_text())["skipped_steps"] == 1
+    assert abs(rows[1]["loss"] - train_rows(runs / "ref")[1]["loss"]) <= RTOL * rows[1]["loss"]
+    assert math.isfinite(rows[3]["loss"])  # finite again: no stage kept a NaN weight
 
 
 @pytest.mark.distributed

@@ -5,7 +5,8 @@ Usage: torchrun ... tests/distributed/pipeline_worker.py '[{"overrides": [...], 
 Each entry is one run (Hydra overrides of conf/finetune.yaml). `plant` names a fault planted for that
 run only, to show that the parity checks catch it:
 - "drop_block": the second stage skips its first block (a wrong stage boundary);
-- "no_normaliser": the last stage does not divide by the step's trained tokens.
+- "no_normaliser": the last stage does not divide by the step's trained tokens;
+- "nan_first_stage": the first stage's output turns NaN in the second step (the non-finite guard's case).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from unittest import mock
 
+import torch
 from hydra import compose, initialize_config_dir
 
 from nemotron_recipe.distributed.env import init_distributed, teardown
@@ -34,9 +36,24 @@ def _unnormalised(self, batches, denominator) -> None:
     self.batches, self.denominator, self.cursors, self.sums = batches, 1.0, {}, {}
 
 
+def _nan_in_first_stage():
+    forward, seen = stages.PipelineStageModel.forward, [0]
+
+    def poisoned(self, *received):
+        out = forward(self, *received)
+        if self.is_first and self.training and torch.is_grad_enabled():
+            seen[0] += 1
+            if seen[0] == 5:  # the second step's first micro-batch (four per step)
+                out = (out[0] * float("nan"), *out[1:])
+        return out
+
+    return mock.patch.object(stages.PipelineStageModel, "forward", poisoned)
+
+
 PLANTS = {
     "drop_block": lambda: mock.patch.object(stages, "stage_blocks", _dropped_block),
     "no_normaliser": lambda: mock.patch.object(stages.StageInputs, "start", _unnormalised),
+    "nan_first_stage": _nan_in_first_stage,
 }
 
 
