@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
 from helpers import REPO, RUN_BASE, SMALL_DIMS, compose_run, metrics_rows
+from safetensors.torch import load_file
+
 from nemotron_recipe.config import build_model_config
 from nemotron_recipe.training.finetune import run
 from nemotron_recipe.training.hf_io import export_hf
@@ -117,7 +118,7 @@ def test_pipeline_matches_one_process(runs, name):
     # Validation before and after training runs through the stages too (data-parallel ranks would each
     # validate data.val_max_batches batches of their own: compared where there is one).
     if summary["mesh"].get("dp_shard", 1) * summary["mesh"].get("dp_replicate", 1) == 1:
-        val = lambda d: [r["val_loss"] for r in metrics_rows(d) if "val_loss" in r]  # noqa: E731
+        val = lambda d: [r["val_loss"] for r in metrics_rows(d) if "val_loss" in r]
         assert val(runs / name) == pytest.approx(val(runs / ("ref_mtp_lora" if "mtp" in name else "ref")), rel=RTOL)
 
 

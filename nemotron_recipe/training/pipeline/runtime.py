@@ -16,8 +16,17 @@ import torch
 from nemotron_recipe.distributed.pipeline_layout import stage_rank
 from nemotron_recipe.distributed.plan import ParallelMeshes, ParallelPlan
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
-from nemotron_recipe.training.pipeline.schedule import MULTI_STAGE, SCHEDULES, PipelineSchedule, StageShapes
-from nemotron_recipe.training.pipeline.stages import PipelineParts, StageInputs, cut_stages
+from nemotron_recipe.training.pipeline.schedule import (
+    MULTI_STAGE,
+    SCHEDULES,
+    PipelineSchedule,
+    StageShapes,
+)
+from nemotron_recipe.training.pipeline.stages import (
+    PipelineParts,
+    StageInputs,
+    cut_stages,
+)
 
 log = logging.getLogger(__name__)
 

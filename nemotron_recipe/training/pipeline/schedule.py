@@ -31,7 +31,11 @@ from torch.distributed.pipelining import (
 )
 
 from nemotron_recipe.training.loss import IGNORE_INDEX
-from nemotron_recipe.training.pipeline.stages import LAST_STAGE_OUTPUTS, PipelineStageModel, StageInputs
+from nemotron_recipe.training.pipeline.stages import (
+    LAST_STAGE_OUTPUTS,
+    PipelineStageModel,
+    StageInputs,
+)
 
 # `zbv` (ScheduleZBVZeroBubble) is refused before the run (training.pipeline.limits).
 SCHEDULES = {

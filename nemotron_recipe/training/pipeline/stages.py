@@ -18,6 +18,7 @@ objective, normalised as the one-stage path does (by the step's trained tokens).
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import pairwise
 from dataclasses import dataclass, field
 
 import torch
@@ -48,7 +49,7 @@ class StageInputs:
     denominator: float = 1.0  # the step's trained tokens, over every data- and context-parallel rank
     loss_chunk_size: int = 0
     mtp_loss_scale: float = 0.0
-    device: torch.device = torch.device("cpu")
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     after_forward: Callable[[nn.Module], None] | None = None
     cursors: dict[int, int] = field(default_factory=dict)
     sums: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
@@ -157,7 +158,7 @@ def cut_stages(model: NemotronHForCausalLM, starts: list[int], local: list[int],
     """The stages `local` (indices into the `len(starts)` stages) of `model`; the blocks of the other
     stages are left out, as is everything else those stages hold."""
     n = model.config.num_layers
-    if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= n:
+    if starts[0] != 0 or any(b <= a for a, b in pairwise(starts)) or starts[-1] >= n:
         raise ValueError(f"stage starts {starts}: must begin at 0 and increase below the {n} blocks")
     return [PipelineStageModel(model, s, len(starts), stage_blocks(starts, n, s), inputs) for s in local]
 
