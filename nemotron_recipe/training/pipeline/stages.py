@@ -18,8 +18,8 @@ objective, normalised as the one-stage path does (by the step's trained tokens).
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import pairwise
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 from torch import nn
