@@ -34,12 +34,15 @@ PARAM_ATOL = 1e-5  # the trained parameters after five steps
 MODEL = [f"model.{k}={v}" for k, v in SMALL_DIMS.items() if k != "vocab_size"] + ["model.pattern=ME*M-ME"]
 BASE = [*RUN_BASE, "eval.sample_tokens=0", "trainer.micro_batch_size=1", "trainer.max_steps=5", "trainer.val_every=0",
         "optim.warmup_steps=2", "moe.bias_update_rate=0.01", "moe.aux_loss_coeff=0.01", "checkpoint.every=3", *MODEL]
+# lm-eval's task at the end of training (on the final checkpoint, loaded whole on rank 0).
+EVAL = ["eval.tasks=[tiny_sft_mc]", "eval.limit=6"]
 MTP_LORA = ["model.num_nextn_predict_layers=1", "peft=lora"]  # LoRA adapters on a model with MTP layers
 COMPARED = ("loss", "grad_norm", "mtp_loss", "moe_aux_loss", "moe_load_imbalance")
 
 TWO_RANK = {  # name: (overrides, plant)
     "pp2": (["mesh=pp2"], None),
-    "interleaved": (["mesh=pp2", "mesh.pp_schedule=interleaved_1f1b", "mesh.pp_virtual_stages=2"], None),
+    "interleaved": (["mesh=pp2", "mesh.pp_schedule=interleaved_1f1b", "mesh.pp_virtual_stages=2", *EVAL,
+                     "checkpoint.export_hf=true"], None),
     "gpipe_mtp_lora": (["mesh=pp2", "mesh.pp_schedule=gpipe", *MTP_LORA], None),
     "drop_block": (["mesh=pp2", "trainer.max_steps=2", "checkpoint.every=0"], "drop_block"),
     "no_normaliser": (["mesh=pp2", "trainer.max_steps=2", "checkpoint.every=0"], "no_normaliser"),
@@ -82,7 +85,7 @@ def runs(tmp_path_factory):
     """The single-process references, then one 2-rank and one 4-rank launch; returns the base dir and timings."""
     base = tmp_path_factory.mktemp("pipeline")
     began = time.perf_counter()
-    run(compose_run(base / "ref", *BASE))
+    run(compose_run(base / "ref", *BASE, *EVAL))
     run(compose_run(base / "ref_mtp_lora", *BASE, *MTP_LORA))
     times = {"references_s": time.perf_counter() - began}
 
@@ -115,6 +118,11 @@ def test_pipeline_matches_one_process(runs, name):
     assert max(errors.values()) <= RTOL, errors
     summary = json.loads((runs / name / "summary.json").read_text())
     assert summary["mesh"]["pp"] == 2
+    if name == "interleaved":  # the end-of-training evaluation and export of a pipeline run
+        reference = json.loads((runs / "ref" / "summary.json").read_text())
+        scores = {k: v for k, v in reference.items() if k.startswith("eval/")}
+        assert scores and {k: summary[k] for k in scores} == pytest.approx(scores, abs=1e-6)
+        assert (runs / name / "hf" / "config.json").is_file()
     # Validation before and after training runs through the stages too (data-parallel ranks would each
     # validate data.val_max_batches batches of their own: compared where there is one).
     if summary["mesh"].get("dp_shard", 1) * summary["mesh"].get("dp_replicate", 1) == 1:

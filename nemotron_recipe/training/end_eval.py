@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from nemotron_recipe.training.checkpoint import Checkpointer
+from nemotron_recipe.training.checkpoint import Checkpointer, rank0_reads
 
 log = logging.getLogger(__name__)
 
@@ -35,4 +35,6 @@ def evaluate_final_checkpoint(cfg: Any, checkpointer: Checkpointer, device: torc
         log.info("eval.tasks %s on %s in %.1f s", tasks, source, time.perf_counter() - began)
         return metric_rows(results)
 
-    return checkpointer.on_rank0(work)
+    # Rank 0 reads the checkpoint alone while the others wait in `on_rank0`: its own group for the read.
+    with rank0_reads():
+        return checkpointer.on_rank0(work)
