@@ -121,7 +121,7 @@ def sharded_meta_model(config: NemotronHConfig, plan: ParallelPlan, meshes: Para
     quantized = {name: tuple(p.shape) for name, p in model.named_parameters() if name in targets}
     model = parallelize_model(model, plan, meshes, reapply_trainability=trainability.reapply())
     for name, p in model.named_parameters():
-        shape = quantized.get(name.replace("_checkpoint_wrapped_module.", ""))
-        if shape is not None:  # a meta model is not quantized: state.py counts these at NF4's bytes
-            p.nf4_bytes_per_weight = bytes_per_weight(shape)
+        plain = name.replace("_checkpoint_wrapped_module.", "")
+        if (shape := quantized.get(plain)) is not None:  # a meta model is not quantized: state.py counts NF4 bytes
+            p.nf4_bytes_per_weight = bytes_per_weight(shape, name=plain)
     return model
