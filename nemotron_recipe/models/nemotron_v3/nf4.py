@@ -124,19 +124,32 @@ def quantize(weight: torch.Tensor, name: str = "weight") -> torch.Tensor:
     return cls.from_tensor(flat, BLOCK, _scaler_block(*flat.shape, column_parts(name, flat.shape[1])))
 
 
+CHUNK_BLOCKS = 16384  # blocks dequantized at a time: besides its result, a GEMM holds ~3 MiB of transients
+
+
 def dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The NF4 tensor `weight` in `dtype`: code book[code] * (int8 scale / factor + mean), blockwise.
-    torchao's own dequantization indexes with int64 codes (16 bytes of temporaries a weight); here the
-    codes are int32 and the code book and scales are cast once, so a GEMM's transient is about 6 bytes
-    a weight besides its result."""
+    Written into its result a few thousand blocks at a time, each byte (two codes) looked up at once in
+    a 256-entry table of code pairs: besides the result (2 bytes a weight in bf16) a GEMM's transient
+    is that of one chunk, where torchao's dequantization (int64 codes) holds about 16 bytes a weight."""
     data = weight.quantized_data
-    codes = torch.stack((data >> 4, data & 0b1111), dim=-1).view(-1).int()
-    values = weight.nf4.to(dtype).index_select(0, codes)
+    nf4 = weight.nf4.to(dtype)
+    byte = torch.arange(256, device=data.device)
+    # Both codes of a byte as one integer of twice the width: one 1-D gather a byte.
+    wide = {1: torch.int16, 2: torch.int32, 4: torch.int64}[nf4.element_size()]
+    pairs = torch.stack((nf4[byte >> 4], nf4[byte & 0b1111]), dim=-1).view(wide).view(-1)
     groups = weight.quantized_scalers.numel() // weight.quantization_factor.numel()
     scalers = weight.quantized_scalers.view(-1, groups).to(torch.float32)
     absmax = (scalers / weight.quantization_factor.to(torch.float32).unsqueeze(-1)).view(-1).to(weight.dtype)
-    absmax = (absmax + weight.scaler_mean).to(dtype)
-    return (values.view(-1, weight.block_size) * absmax.unsqueeze(-1)).view(weight.shape)
+    absmax = (absmax + weight.scaler_mean).to(dtype).unsqueeze(-1)
+    out = torch.empty(weight.numel(), dtype=dtype, device=data.device)
+    half = weight.block_size // 2
+    for start in range(0, absmax.shape[0], CHUNK_BLOCKS):
+        stop = min(start + CHUNK_BLOCKS, absmax.shape[0])
+        part = out[start * weight.block_size:stop * weight.block_size]
+        torch.index_select(pairs, 0, data[start * half:stop * half].int(), out=part.view(wide))
+        part.view(-1, weight.block_size).mul_(absmax[start:stop])
+    return out.view(weight.shape)
 
 
 class _LinearNF4(torch.autograd.Function):
