@@ -20,6 +20,14 @@ from nemotron_recipe.models.nemotron_v3 import (
     build_meta_model,
 )
 from nemotron_recipe.models.nemotron_v3.checkpoint import CheckpointError, hf_to_native
+from nemotron_recipe.models.nemotron_v3.fp8_base import keep_fp8_base, read_fp8_weights
+from nemotron_recipe.models.nemotron_v3.lora import (
+    LoRASpec,
+    add_adapters,
+    freeze_base,
+    init_adapters,
+    nf4_targets,
+)
 from nemotron_recipe.training.hf_io import load_hf_sharded
 
 FP8_MAX = 448.0  # largest float8_e4m3fn
@@ -109,3 +117,50 @@ def test_an_unknown_fp8_scale_layout_is_refused_naming_the_tensor(bf16_dir, tmp_
     message = str(err.value)
     assert "the scale of FP8 tensor" in message and "has shape (3,), a layout this recipe does not read" in message
     assert "a scalar (per tensor) or one per row" in message and "Fix:" in message
+
+
+# ------------------------------------------------------------------ the FP8 weights kept as the LoRA base
+def _lora_curve(model: NemotronHForCausalLM, steps: int = 5) -> list[float]:
+    freeze_base(model)
+    init_adapters(model, 3)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, CFG.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
+    losses = []
+    for _ in range(steps):  # one batch, learnt
+        logits = model(ids[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_lora_on_the_kept_fp8_base_equals_lora_on_the_dequantized_base(bf16_dir, tmp_path):
+    """`peft.base_dtype=fp8`: every projection the release holds in FP8 (Mamba in/out, MLP, shared and
+    routed experts) stays float8_e4m3fn with float32 row scales, at ~half the bf16 bytes, and each GEMM
+    dequantizes it as loading does: the 5-step LoRA curve equals that over the dequantized base within
+    1e-5 (fp32 compute; the GEMMs differ only in their kernels' summation order)."""
+    write_fp8_release(bf16_dir, tmp_path / "fp8")
+    path = str(tmp_path / "fp8")
+    curves, stored = {}, {}
+    for kept in (False, True):
+        model = NemotronHForCausalLM.from_pretrained(path)
+        add_adapters(model, LoRASpec(rank=4))
+        if kept:
+            before, after = keep_fp8_base(model, read_fp8_weights(path, CFG), nf4_targets(model))
+            stored = {n: p.dtype for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
+        curves[kept] = _lora_curve(model)
+    assert {n.split(".", 3)[-1] for n in stored} == {
+        "mixer.in_proj.weight", "mixer.out_proj.weight", "mixer.up_proj.weight", "mixer.down_proj.weight",
+        "mixer.shared_experts.up_proj.weight", "mixer.shared_experts.down_proj.weight", "mixer.experts.up_proj",
+        "mixer.experts.down_proj"}  # attention and lm_head: bf16 in the release (`exclude_modules`)
+    assert after / before <= 0.5 + 2 / SMALL_DIMS["hidden_size"]  # 1 byte a weight + 4 bytes a row, over 2
+    for step, (got, want) in enumerate(zip(curves[True], curves[False], strict=True)):
+        assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got} vs {want}"
+    assert curves[True][-1] < curves[True][0]
+
+
+def test_an_fp8_base_needs_an_fp8_checkpoint(bf16_dir):
+    with pytest.raises(CheckpointError, match=r"has no quantization_config \(its weights are not FP8\)"):
+        read_fp8_weights(str(bf16_dir), CFG)

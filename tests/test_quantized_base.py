@@ -153,6 +153,9 @@ def _run(run_dir: Path, *overrides: str) -> dict:
 
 @pytest.mark.parametrize("overrides,needle", [
     (["peft.base_dtype=nf4"], "peft.base_dtype=nf4 with peft.method=none: full fine-tuning trains the base"),
+    (["peft.base_dtype=fp8"], "peft.base_dtype=fp8 with peft.method=none: full fine-tuning trains the base"),
+    (["peft=lora", "peft.base_dtype=fp8"], ("peft.base_dtype=fp8 keeps an FP8 checkpoint's weights as the base, "
+                                            "and model.pretrained is not set")),
 ])
 def test_bad_nf4_settings_are_named_before_any_work(tmp_path, overrides, needle):
     with pytest.raises(ConfigError) as err:

@@ -49,7 +49,8 @@ from .checkpoint import mamba_in_proj_order
 from .config import ModelConfigError, NemotronHConfig
 from .kernels import linear_cross_entropy_sum
 from .model import Experts, LMHead, NemotronHForCausalLM, expert_matmul, local
-from . import nf4
+from . import fp8_base, nf4
+from .fp8 import is_fp8
 from .nf4 import nf4_bytes, quantize
 
 # Every linear projection of every block kind; routed experts (`experts.up_proj`) and LatentMoE's
@@ -103,6 +104,8 @@ class LoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if nf4.is_nf4(self.weight):
             out = nf4.linear(x, self.weight, self.bias, getattr(self, "nf4_tp", None))
+        elif is_fp8(self.weight):
+            out = fp8_base.linear(x, self.weight, fp8_base.scale_of(self, "weight"), self.bias)
         else:
             out = F.linear(x, self.weight, self.bias)
         if self.adapter_off:
