@@ -1,7 +1,8 @@
 """An FP8 checkpoint's own FP8 weights as the frozen LoRA base (`peft.base_dtype=fp8`).
 
 NVIDIA's FP8 releases (fp8.py) store most base projections as `float8_e4m3fn` with a float32 scale
-per tensor (or per output row). With this base those weights stay as they are, 1 byte a weight plus
+per tensor (or per output row). With this base those weights stay as they are (held as their bytes, a
+uint8 parameter, so that FSDP2 shards and gathers them untouched), 1 byte a weight plus
 a float32 scale per output row, instead of becoming bf16 on load (2 bytes a weight): every projection
 the checkpoint holds in FP8 (the Mamba and MoE GEMMs of the releases; the routed experts' stacked
 [E, out, in] weights with one scale per expert and row) keeps its FP8 values; those the release keeps
@@ -27,7 +28,7 @@ SCALE = "_fp8_scale"  # the buffer suffix of a kept FP8 weight's row scales: `we
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An FP8 weight [..., out, in] with its row scales [..., out, 1] as loading reads it (bf16: fp8.py),
     in `dtype`."""
-    return (weight.to(torch.float32) * scale).to(torch.bfloat16).to(dtype)
+    return (weight.view(torch.float8_e4m3fn).to(torch.float32) * scale).to(torch.bfloat16).to(dtype)
 
 
 class _LinearFP8(torch.autograd.Function):
@@ -67,6 +68,11 @@ class _ExpertsFP8(torch.autograd.Function):
 
 def experts_matmul(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, groups, matmul) -> torch.Tensor:
     return _ExpertsFP8.apply(rows, weight, scale, groups, matmul)
+
+
+def is_kept(module: nn.Module, name: str) -> bool:
+    """Whether `module.name` is an FP8 weight kept as the base (its bytes, with a buffer of row scales)."""
+    return hasattr(module, name + SCALE)
 
 
 def scale_of(module: nn.Module, name: str) -> torch.Tensor:
@@ -123,8 +129,10 @@ def keep_fp8_base(model: nn.Module, weights: dict[str, tuple[torch.Tensor, torch
         if tuple(current.shape) != tuple(values.shape):
             raise QuantizedCheckpointError(f"{name}: FP8 {tuple(values.shape)} where the model has "
                                            f"{tuple(current.shape)}")
-        before += current.numel() * current.element_size()
-        setattr(module, leaf, nn.Parameter(values.clone(), requires_grad=False))
+        before += current.numel() * 2  # as the bf16 base holds it
+        # Held as their bytes: FSDP2 casts floating parameters to its compute dtype (which would drop the
+        # scales) and gathers integer ones as they are.
+        setattr(module, leaf, nn.Parameter(values.view(torch.uint8).clone(), requires_grad=False))
         module.register_buffer(leaf + SCALE, scale.clone(), persistent=False)
         after += values.numel() + scale.numel() * scale.element_size()
     return before, after

@@ -50,7 +50,6 @@ from .config import ModelConfigError, NemotronHConfig
 from .kernels import linear_cross_entropy_sum
 from .model import Experts, LMHead, NemotronHForCausalLM, expert_matmul, local
 from . import fp8_base, nf4
-from .fp8 import is_fp8
 from .nf4 import nf4_bytes, quantize
 
 # Every linear projection of every block kind; routed experts (`experts.up_proj`) and LatentMoE's
@@ -104,7 +103,7 @@ class LoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if nf4.is_nf4(self.weight):
             out = nf4.linear(x, self.weight, self.bias, getattr(self, "nf4_tp", None))
-        elif is_fp8(self.weight):
+        elif fp8_base.is_kept(self, "weight"):
             out = fp8_base.linear(x, self.weight, fp8_base.scale_of(self, "weight"), self.bias)
         else:
             out = F.linear(x, self.weight, self.bias)

@@ -219,7 +219,8 @@ def shard(weight: torch.Tensor, dim: int, index: int, parts: int, name: str = "w
         factors = columns(weight.quantization_factor, size // BLOCK // group)
         shape = (rows, size)
     cls = nf4_tensor_type()
-    meta = sys.modules[cls.__module__].SubclassTensorArgs(torch.Size(shape), (shape[1], 1), 0, weight.dtype, weight.device, False)
+    meta_type = sys.modules[cls.__module__].SubclassTensorArgs
+    meta = meta_type(torch.Size(shape), (shape[1], 1), 0, weight.dtype, weight.device, False)
     return cls(meta, BLOCK, codes.numel() * 2 // BLOCK, group, scalers.contiguous().view(-1),
                factors.contiguous().view(-1), weight.scaler_mean.clone(), codes.contiguous().view(-1), weight.nf4)
 
