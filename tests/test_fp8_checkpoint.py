@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL_DIMS
+from helpers import SMALL_DIMS, compose_run
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -28,6 +28,7 @@ from nemotron_recipe.models.nemotron_v3.lora import (
     init_adapters,
     nf4_targets,
 )
+from nemotron_recipe.training.finetune import run
 from nemotron_recipe.training.hf_io import load_hf_sharded
 
 FP8_MAX = 448.0  # largest float8_e4m3fn
@@ -192,3 +193,19 @@ def test_planner_counts_the_fp8_base_at_its_stored_bytes(bf16_dir, tmp_path):
     before, after = keep_fp8_base(model, read_fp8_weights(str(tmp_path / "fp8"), CFG), nf4_targets(model))
     assert {n for n, p in model.named_parameters() if p.dtype == torch.uint8} == names & set(nf4_targets(model))
     assert params[False] - params[True] == pytest.approx((before - after) / 2, rel=1e-3)
+
+
+def test_the_recipe_on_the_kept_fp8_base_trains_as_on_the_dequantized_base(tmp_path):
+    """`recipes.finetune` with `peft.base_dtype=fp8` on an FP8 release of the tiny preset (read whole, the
+    FP8 projections kept as their bytes, FSDP2 on a group of one): the same validation loss before any
+    step as with the weights read as bf16, and the same curve to bf16 rounding."""
+    torch.manual_seed(0)
+    NemotronHForCausalLM(NemotronHConfig.from_preset("tiny")).to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16"))
+    write_fp8_release(tmp_path / "bf16", tmp_path / "fp8")
+    runs = {base: run(compose_run(tmp_path / base / "run", f"model.pretrained={tmp_path / 'fp8'}", "peft=lora",
+                                  f"peft.base_dtype={base}", "trainer.max_steps=1", "trainer.val_every=1",
+                                  "checkpoint.save_final=false"))
+            for base in ("bf16", "fp8")}
+    assert runs["fp8"]["first_val_loss"] == pytest.approx(runs["bf16"]["first_val_loss"], rel=1e-6)
+    for key in ("last_val_loss", "final_loss"):
+        assert runs["fp8"][key] == pytest.approx(runs["bf16"][key], rel=1e-4)
