@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from nemotron_recipe.generation import DecodeCache, GenerationConfig, GenerationError, cache_bytes, generate
+from nemotron_recipe.generation.packed import packed_linears, packing_available
 from nemotron_recipe.generation.sampling import filter_logits
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
 from nemotron_recipe.models.nemotron_v3.lora import LoRASpec, add_adapters, init_adapters
@@ -42,13 +43,7 @@ def test_cached_decoding_equals_full_recompute():
     group-limited routing and unmerged LoRA adapters (non-zero, the routed experts' included): each
     step's logits equal those of recomputing the whole sequences from scratch (padding run as a
     document of its own), within 1e-5, across many chunk boundaries of the scan."""
-    model = _model(moe_latent_size=16)
-    add_adapters(model, LoRASpec(rank=4, alpha=8.0))
-    init_adapters(model, seed=3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("lora_B.weight", ".B")):
-                p.normal_(std=0.05)
+    model = _lora_model()
     ids, valid = _left_padded(_prompts([13, 1, 6]))
     steps = 64
     cache = DecodeCache(valid, ids.shape[1] + steps, len(model.model.layers))
@@ -64,6 +59,50 @@ def test_cached_decoding_equals_full_recompute():
     assert worst <= 1e-5, worst
     assert cache.length == ids.shape[1]
     assert cache.nbytes() == cache_bytes(model.config, 3, cache.capacity, torch.float32)
+
+
+def _lora_model():
+    model = _model(moe_latent_size=16)
+    add_adapters(model, LoRASpec(rank=4, alpha=8.0))
+    init_adapters(model, seed=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("lora_B.weight", ".B")):
+                p.normal_(std=0.05)
+    return model
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
+def test_reordered_weights_decode_as_the_linears_compute():
+    """Inside `packed_linears` every linear layer (LM head and unmerged LoRA bases included) runs on
+    oneDNN's reordered weights: 16 cached steps give the logits of recomputing the whole sequences
+    with the plain layers (1e-5), the same greedy ids through `generate`, and nothing stays patched."""
+    model = _lora_model()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    ids, valid = _left_padded(_prompts([13, 1, 6]))
+    cache = DecodeCache(valid, ids.shape[1] + 16, len(model.model.layers))
+    worst = 0.0
+    with torch.no_grad():
+        with packed_linears(model, 3, enabled=True) as taken:
+            logits = model(ids, cache=cache).logits[:, -1]
+            steps = []
+            for _ in range(16):
+                token = logits.argmax(-1, keepdim=True)
+                steps.append((logits, token))
+                logits = model(token, cache=cache).logits[:, -1]
+        for logits, token in steps:
+            full = model(ids, document_ids=valid.long()).logits[:, -1]
+            worst = max(worst, (full - logits).abs().max().item())
+            ids, valid = torch.cat([ids, token], 1), torch.cat([valid, torch.ones_like(token, dtype=torch.bool)], 1)
+    assert taken == len(linears) and not any("forward" in vars(m) for m in linears)
+    assert worst <= 1e-5, worst
+    prompts = _prompts([9, 4, 7])
+    ids_of = [[r.completion_ids for r in generate(model, prompts, GenerationConfig(max_new_tokens=12,
+                                                                                  prepack_weights=pack))]
+              for pack in (True, False)]
+    assert ids_of[0] == ids_of[1]
+    with packed_linears(model, 1) as taken:  # fp32 at one row: MKL's GEMV is the faster, nothing is taken
+        assert taken == 0
 
 
 def test_completion_does_not_depend_on_batch_or_padding():

@@ -102,6 +102,10 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = nf4.linear(x, self.weight, self.bias) if nf4.is_nf4(self.weight) else F.linear(x, self.weight, self.bias)
+        return self.with_adapter(x, out)
+
+    def with_adapter(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out`, the base projection of `x`, plus the adapter's update (decoding computes the base its own way)."""
         if self.adapter_off:
             return out
         low = self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype)))
