@@ -494,16 +494,24 @@ def _cuda_state_update():
     return _optional_kernel("mamba_ssm.ops.triton.selective_state_update", "selective_state_update")
 
 
+def conv_step_weights(weight: torch.Tensor, bias: torch.Tensor | None,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The conv's weight [C, 1, K] and bias as `conv_step_silu` takes them: [C, K] and [C], in the
+    inputs' dtype first, as the whole-sequence conv takes them (`causal_conv1d_silu`)."""
+    weight = weight.reshape(weight.shape[0], -1).to(dtype).contiguous()
+    return weight, None if bias is None else bias.to(dtype)
+
+
 def conv_step_silu(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
     """One decoding step of silu(causal depthwise conv): x [b, C] the new input, `window` [b, C, K]
-    the last K inputs (oldest first), shifted in place to end with x. Returns [b, C] in x's dtype.
-    `causal_conv1d_update` on CUDA when installed, else `ops.causal_conv1d_step`."""
+    the last K inputs (oldest first), shifted in place to end with x; weight [C, K] and bias [C] from
+    `conv_step_weights`. Returns [b, C] in x's dtype. `causal_conv1d_update` on CUDA when installed,
+    else `ops.causal_conv1d_step`."""
     from .ops import causal_conv1d_step  # ops holds the plain reference, as for the whole-sequence conv
 
-    # In x's dtype first, as the whole-sequence conv takes them (`causal_conv1d_silu`).
-    weight = weight.reshape(weight.shape[0], -1).to(x.dtype).contiguous()
-    bias = None if bias is None else bias.to(x.dtype)
+    if weight.dim() == 3 or weight.dtype != x.dtype:
+        weight, bias = conv_step_weights(weight, bias, x.dtype)
     if x.device.type in _KERNEL_DEVICES and _cuda_conv_update() is not None:
         return _cuda_conv_update()(x, window, weight, bias, activation="silu")
     return F.silu(causal_conv1d_step(x, window, weight, bias)).to(x.dtype)

@@ -33,6 +33,7 @@ from .context_parallel import context_parallel_attention, context_parallel_conv_
 from .kernels import (
     causal_conv1d_silu,
     conv_step_silu,
+    conv_step_weights,
     linear_cross_entropy_sum,
     ssd_scan,
     ssd_scan_final_state,
@@ -209,12 +210,16 @@ class Mamba2Mixer(_KeepFP32, nn.Module):
         """One new token per row: xbc [b,1,g,r*p+2n], dt [b,1,g,r] -> y [b,1,g,r*p]."""
         b, _, g = xbc.shape[:3]
         r = dt.shape[-1]
-        weight, bias, A_log, D, dt_bias = self._ssm_params()
+        if cache.step_constants[layer] is None:
+            weight, bias, A_log, D, dt_bias = self._ssm_params()
+            cache.step_constants[layer] = (*conv_step_weights(weight, bias, xbc.dtype), -torch.exp(A_log.float()),
+                                           D.float(), dt_bias.float())
+        weight, bias, A, D, dt_bias = cache.step_constants[layer]
         state = cache.layers[layer]
         xbc = conv_step_silu(xbc.flatten(1), state.conv, weight, bias)
         x, B, C = xbc.unflatten(-1, (g, -1)).split([r * self.head_dim, self.state_size, self.state_size], dim=-1)
         dt = discretize_dt(dt.flatten(1), dt_bias, self.dt_min)
-        y = ssm_step(state.ssm, x.reshape(b, g * r, self.head_dim), dt, -torch.exp(A_log.float()), B, C, D)
+        y = ssm_step(state.ssm, x.reshape(b, g * r, self.head_dim), dt, A, B, C, D)
         return y.to(xbc.dtype).view(b, 1, g, r * self.head_dim)
 
 
@@ -258,7 +263,10 @@ class Attention(nn.Module):
         if not cache.prefilled:  # padding is a document of its own, which no real query sees
             return causal_attention(q, k, v, cache.document_ids(new))
         keys, values = kv.key[:, :, :start + new], kv.value[:, :, :start + new]
-        return attention(q, keys, values, cache.keys_mask(new))
+        mask = cache.keys_mask(new)
+        if mask is None:  # every cached position is real: one query row sees them all, no mask to build
+            return F.scaled_dot_product_attention(q, keys, values, enable_gqa=keys.shape[1] != q.shape[1])
+        return attention(q, keys, values, mask)
 
 
 
