@@ -111,6 +111,22 @@ def _reset_hwm() -> bool:
         return False
 
 
+def cpu_allocator_peak(step: Callable[[], None]) -> int:
+    """Peak bytes PyTorch's CPU allocator holds during `step` above what it held at its start: the
+    CPU counterpart of CUDA's allocator peak, from the profiler's allocation and free events (every
+    tensor allocation, in any thread), so malloc's reuse and the kernel's paging do not blur it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    held = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        held += event.nbytes()
+        peak = max(peak, held)
+    return peak
+
+
 def _storage(t: torch.Tensor) -> tuple[int, int] | None:
     """(data pointer, bytes) of a plain tensor's storage; None for one without live storage (FSDP
     frees the storage of its gathered parameters between uses) or a tensor subclass."""

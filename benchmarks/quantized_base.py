@@ -6,8 +6,9 @@ Both models start from the same weights and train the same adapters on the same 
 bf16, as the recipe runs them (one process: FSDP2 on a group of one); steps are interleaved and the
 medians compared. **base bytes**: the frozen projections' storage (NF4: the 4-bit codes, 8-bit scales,
 factors and means; bf16: 2 bytes a weight). **peak mem**: the model's resident weights, gradients
-and optimizer state plus the step's peak above its start (CPU: resident set high-water mark; CUDA:
-the allocator's peak). Appends a row to benchmarks/RESULTS.md.
+and optimizer state plus the allocator's peak above the step's start (CUDA: its peak statistic; CPU:
+from the profiler's allocation events, `measure.cpu_allocator_peak`). Appends a row to
+benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import statistics
 
 import torch
 
-from benchmarks.measure import interleaved_times, step_memory
+from benchmarks.measure import cpu_allocator_peak, interleaved_times, step_memory
 from benchmarks.results import append_row, gib, measured, mib
 from benchmarks.throughput import (
     _batch,
@@ -106,9 +107,11 @@ def main() -> None:
     times, _ = interleaved_times(steps, device, args.warmup, args.steps)
     out = {}
     for name, model in models.items():
-        above = step_memory(steps[name], model, device, optimizers[name], saved=False)
-        own = resident(model, optimizers[name])
-        peak = own + (above.get("peak_above_start") if device.type == "cuda" else above["peak"] or 0)
+        if device.type == "cuda":
+            above = step_memory(steps[name], model, device, optimizers[name], saved=False)["peak_above_start"]
+        else:
+            above = cpu_allocator_peak(steps[name])
+        peak = resident(model, optimizers[name]) + above
         out[name] = {"s": statistics.median(times[name]), "peak": peak,
                      "base": base_bytes(model, [_fsdp_name(model, n) for n in names])}
     b, q = out["bf16"], out["nf4"]

@@ -34,6 +34,7 @@ from nemotron_recipe.models.nemotron_v3.checkpoint import (
 from nemotron_recipe.models.hub import resolve_pretrained
 from nemotron_recipe.models.nemotron_v3.config import PRESET_LR, ModelConfigError, NemotronHConfig, matching_preset
 from nemotron_recipe.models.nemotron_v3.lora import DEFAULT_TARGETS, LoRAError, lora_spec_problem
+from nemotron_recipe.models.nemotron_v3.fp8_base import fp8_base_problems
 from nemotron_recipe.models.nemotron_v3.nf4 import nf4_problems
 
 WANDB_MODES = ("disabled", "offline", "online")
@@ -287,7 +288,7 @@ class ObjectiveConfig:
 
 
 PEFT_METHODS = ("none", "lora")
-BASE_DTYPE_NAMES = ("bf16", "fp32", "nf4")
+BASE_DTYPE_NAMES = ("bf16", "fp32", "nf4", "fp8")
 
 
 @dataclass
@@ -587,11 +588,11 @@ def _peft_problems(cfg: Any) -> list[str]:
     device, so no memory and no time)."""
     p = getattr(cfg, "peft", None)
     if p is None or p.method == "none":
-        return [] if p is None else _method_problems(p) + nf4_problems(cfg)
+        return [] if p is None else _method_problems(p) + nf4_problems(cfg) + fp8_base_problems(cfg)
     errors = _method_problems(p)
     if p.base_dtype not in BASE_DTYPE_NAMES:
         errors.append(f"peft.base_dtype={p.base_dtype!r}: unknown. Fix: use one of {list(BASE_DTYPE_NAMES)}.")
-    errors += nf4_problems(cfg)
+    errors += nf4_problems(cfg) + fp8_base_problems(cfg)
     _check_path(errors, "peft.init_from", p.init_from, allow_dir=True)
     if p.init_from and not errors and (problem := adapter_problem(Path(p.init_from).expanduser())):
         errors.append(f"peft.init_from={p.init_from!r}: {problem}")

@@ -36,7 +36,9 @@ from nemotron_recipe.training.hf_io import export_run_checkpoint, load_hf_sharde
 from nemotron_recipe.training.logging import MetricsWriter, TrainMetrics, earlier_val_losses, print_summary
 from nemotron_recipe.training.moe_balance import RouterBalance, freeze_routers
 from nemotron_recipe.training.lora import (
+    QUANTIZED_BASES,
     base_record,
+    keep_fp8_base_weights,
     lora_spec,
     peft_record,
     quantize_nf4_base,
@@ -210,8 +212,8 @@ class Trainer:
         self.lora = lora_spec(cfg)
         self._check_peft(model)
         model = self._parallelize(model, reapply_trainability=self._trainability())
-        # An nf4 base was read before it was quantized (_check_peft).
-        if cfg.model.pretrained and not (self.lora and cfg.peft.base_dtype == "nf4"):
+        # An nf4 or fp8 base was read before it was stored in its format (_check_peft).
+        if cfg.model.pretrained and not (self.lora and cfg.peft.base_dtype in QUANTIZED_BASES):
             shard_device = torch.device("cpu") if cfg.fsdp.offload else self.env.device
             # A LoRA checkpoint holds the adapters only: its base is read from model.pretrained.
             if self.checkpointer.resume_from is None or self.lora:
@@ -256,12 +258,13 @@ class Trainer:
         record = None
         if self.lora:
             store_base(model, self.cfg)
-            if self.cfg.peft.base_dtype == "nf4" and self.cfg.model.pretrained:
+            if self.cfg.peft.base_dtype in QUANTIZED_BASES and self.cfg.model.pretrained:
                 # Quantized whole before sharding, so every mesh holds the same bits: read unsharded.
                 load_hf_sharded(model, self.cfg.model.pretrained, "cpu")
             base = self.checkpointer.on_rank0(lambda: base_record(self.cfg, model))
             targets = add_adapters(model, self.lora)
             quantize_nf4_base(model, self.cfg)
+            keep_fp8_base_weights(model, self.cfg)
             record = peft_record(self.cfg, self.lora, base, targets)
             trained = sum(p.numel() for n, p in model.named_parameters() if is_adapter(n))
             log.info("LoRA: rank %d on %d projections, %.3fM adapter parameters (%.2f%% of the model)",

@@ -36,6 +36,7 @@ from nemotron_recipe.models.nemotron_v3.checkpoint import (
     in_saved_dtypes,
     safetensors_files,
 )
+from nemotron_recipe.models.nemotron_v3.fp8_base import keep_fp8_base, read_fp8_weights
 from nemotron_recipe.models.nemotron_v3.lora import (
     PEFT_PREFIX,
     ExpertAdapters,
@@ -63,7 +64,9 @@ log = logging.getLogger(__name__)
 
 # The dtype a base is built and read in; an nf4 base is read in bf16 and quantized once the adapters are
 # added (`quantize_nf4_base`), and its export merges into those bf16 weights, not the 4-bit ones.
-BASE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "nf4": torch.bfloat16}
+BASE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "nf4": torch.bfloat16, "fp8": torch.bfloat16}
+# Bases read whole, unsharded, and then stored in their own format before parallelizing.
+QUANTIZED_BASES = ("nf4", "fp8")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # The LoRA factors of the Mamba2 out_proj adapters, which the PEFT files carry merged (modules_to_save).
@@ -127,6 +130,17 @@ def quantize_nf4_base(model: NemotronHForCausalLM, cfg: Any) -> None:
     before, after = quantize_base(model)
     log.info("nf4 base: %d projections' weights %.2f MB -> %.2f MB (%.3fx)", len(nf4_targets(model)),
              before / 1e6, after / 1e6, after / before)
+
+
+def keep_fp8_base_weights(model: NemotronHForCausalLM, cfg: Any) -> None:
+    """An fp8 run's base projections as the FP8 checkpoint stores them (fp8_base.py), after the adapters
+    are added; nothing for other runs."""
+    if cfg.peft.base_dtype != "fp8":
+        return
+    weights = read_fp8_weights(str(cfg.model.pretrained), model.config)
+    before, after = keep_fp8_base(model, weights, nf4_targets(model))
+    log.info("fp8 base: %d projections kept in FP8, %.2f MB in bf16 -> %.2f MB (%.3fx)",
+             sum(n in weights for n in nf4_targets(model)), before / 1e6, after / 1e6, after / max(before, 1))
 
 
 # ------------------------------------------------------------------------------- the start

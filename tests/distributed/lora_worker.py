@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc-per-node N tests/distributed/lora_worker.py OUT.json CASE [CASE ...]
 
-A CASE is `dp_replicate,dp_shard,cp,tp,sp,ac` (parity_worker's fields without the dtype: the base and
+A CASE is `dp_replicate,dp_shard,cp,tp,sp,ac[,epN]` (parity_worker's fields without the dtype: the base and
 the adapters are fp32 here, so curves must agree to fp32 rounding). Each case adapts parity_worker's
 model (Mamba2, attention, MLP and MoE blocks) with LoRA on every projection (Mamba2 out_proj and the
 routed experts included), freezes the base through `reapply_trainability`, draws the adapters after
@@ -72,6 +72,28 @@ def train(model, ids, targets, *, dp_rank=0, dp_size=1, dp_group=None, cp=None) 
     return losses
 
 
+def plan_of(case: str) -> ParallelPlan:
+    rep, shard, cp, tp, sp, ac, *ep = case.split(",")
+    return ParallelPlan(dp_replicate=int(rep), dp_shard=int(shard), cp=int(cp), tp=int(tp),
+                        ep=int(ep[0].removeprefix("ep")) if ep else 1, sequence_parallel=sp == "1",
+                        ac=ActivationCheckpointing(ac))
+
+
+def train_on_mesh(case: str, build, ids, targets) -> tuple[torch.nn.Module, list[float]]:
+    """The model `build()` gives, parallelized on `case`'s mesh with its base frozen, its adapters drawn
+    after parallelizing, and its five-step loss curve on the global batch."""
+    plan = plan_of(case)
+    meshes = plan.build_meshes()
+    model = build()
+    PARALLELIZER.parallelize(model, plan, meshes, reapply_trainability=freeze_base)
+    sum_data_parallel_gradients(model)
+    init_adapters(model, SEED)
+    cp_ctx = ContextParallel(meshes.cp.get_group(), meshes.cp.get_local_rank(), plan.cp)
+    losses = train(model, ids, targets, dp_rank=meshes.dp.get_local_rank(), dp_size=meshes.dp.size(),
+                   dp_group=meshes.dp_cp.get_group(), cp=cp_ctx)
+    return model, losses
+
+
 def reference(ids, targets) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     """One process: the adapted curve, the adapters after it, and the base model's curve."""
     model = build_model()
@@ -95,17 +117,7 @@ def main() -> None:
     ref = reference(ids, targets) if rank == 0 else None
     results = {}
     for case in cases:
-        rep, shard, cp, tp, sp, ac = case.split(",")
-        plan = ParallelPlan(dp_replicate=int(rep), dp_shard=int(shard), cp=int(cp), tp=int(tp),
-                            sequence_parallel=sp == "1", ac=ActivationCheckpointing(ac))
-        meshes = plan.build_meshes()
-        model = build_model()
-        PARALLELIZER.parallelize(model, plan, meshes, reapply_trainability=freeze_base)
-        sum_data_parallel_gradients(model)
-        init_adapters(model, SEED)
-        cp_ctx = ContextParallel(meshes.cp.get_group(), meshes.cp.get_local_rank(), plan.cp)
-        losses = train(model, ids, targets, dp_rank=meshes.dp.get_local_rank(), dp_size=meshes.dp.size(),
-                       dp_group=meshes.dp_cp.get_group(), cp=cp_ctx)
+        model, losses = train_on_mesh(case, build_model, ids, targets)
         adapters = {n: full(p).detach() for n, p in adapter_parameters(model).items()}
         trainable = sorted(n.replace("_checkpoint_wrapped_module.", "") for n, p in model.named_parameters()
                            if p.requires_grad)

@@ -2,10 +2,12 @@
 
     torchrun --standalone --nproc-per-node N tests/distributed/nf4_worker.py OUT.json CASE [CASE ...]
 
-A CASE is lora_worker's (`dp_replicate,dp_shard,cp,tp,sp,ac`). The model is parity_worker's with every
-width a multiple of the NF4 block (64), in fp32: the base is quantized whole to NF4 before parallelizing,
-so every mesh holds the same 4-bit bits and dequantizes them in fp32, and the curves must agree to fp32
-rounding. Rank 0 writes both loss curves and the bytes each rank stores of the 4-bit base.
+A CASE is lora_worker's (`dp_replicate,dp_shard,cp,tp,sp,ac[,epN]`). The model is parity_worker's with
+every width a multiple of the NF4 block (64) and every rowwise projection's input two blocks wide (so
+tensor parallel over 2 cuts its columns between blocks), in fp32: the base is quantized whole to NF4
+before parallelizing, every split cuts those bits along whole groups, so every mesh dequantizes the
+same weights in fp32 and the curves must agree to fp32 rounding. Rank 0 writes both loss curves and
+the bytes each rank stores of the 4-bit base.
 """
 
 from __future__ import annotations
@@ -15,26 +17,17 @@ import sys
 
 import torch
 import torch.distributed as dist
-from lora_worker import SEED, SPEC, train
+from lora_worker import SPEC, SEED, train, train_on_mesh
 from parity_worker import CFG, make_batch
 from torch.distributed.tensor import DTensor
 from worker_results import write_and_finish
 
-from nemotron_recipe.distributed.context_parallel import ContextParallel
-from nemotron_recipe.distributed.fsdp import sum_data_parallel_gradients
-from nemotron_recipe.distributed.plan import ActivationCheckpointing, ParallelPlan
 from nemotron_recipe.models.nemotron_v3 import NemotronHForCausalLM
-from nemotron_recipe.models.nemotron_v3.lora import (
-    add_adapters,
-    freeze_base,
-    init_adapters,
-    quantize_base,
-)
+from nemotron_recipe.models.nemotron_v3.lora import add_adapters, freeze_base, init_adapters, quantize_base
 from nemotron_recipe.models.nemotron_v3.nf4 import is_nf4
-from nemotron_recipe.models.nemotron_v3.parallelization import PARALLELIZER
 
-NF4_CFG = dataclasses.replace(CFG, hidden_size=64, head_dim=16, intermediate_size=128, moe_intermediate_size=64,
-                              moe_shared_expert_intermediate_size=64)
+NF4_CFG = dataclasses.replace(CFG, hidden_size=64, head_dim=32, intermediate_size=128, mamba_head_dim=16,
+                              moe_intermediate_size=64, moe_shared_expert_intermediate_size=64)
 
 
 def build_model() -> NemotronHForCausalLM:
@@ -68,22 +61,13 @@ def main() -> None:
         ref_losses = train(ref_model, ids, targets)
     results = {}
     for case in cases:
-        rep, shard, cp, tp, sp, ac = case.split(",")
-        plan = ParallelPlan(dp_replicate=int(rep), dp_shard=int(shard), cp=int(cp), tp=int(tp),
-                            sequence_parallel=sp == "1", ac=ActivationCheckpointing(ac))
-        meshes = plan.build_meshes()
-        model = build_model()
-        PARALLELIZER.parallelize(model, plan, meshes, reapply_trainability=freeze_base)
-        sum_data_parallel_gradients(model)
-        init_adapters(model, SEED)
-        cp_ctx = ContextParallel(meshes.cp.get_group(), meshes.cp.get_local_rank(), plan.cp)
-        losses = train(model, ids, targets, dp_rank=meshes.dp.get_local_rank(), dp_size=meshes.dp.size(),
-                       dp_group=meshes.dp_cp.get_group(), cp=cp_ctx)
+        model, losses = train_on_mesh(case, build_model, ids, targets)
         if rank == 0:
             results[case] = {"losses": losses, "ref_losses": ref_losses, "nf4_bytes": stored_nf4_bytes(model),
                              "ref_nf4_bytes": ref_bytes}
         dist.barrier()
     write_and_finish(out_path, results)
+
 
 if __name__ == "__main__":
     main()

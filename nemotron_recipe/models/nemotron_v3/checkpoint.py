@@ -115,6 +115,14 @@ _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "
 
 
 # ------------------------------------------------------------------------------- state dicts
+def native_weight_name(name: str) -> str:
+    """A released tensor's native name (`backbone.` -> `model.`; one expert's weight -> the stacked one)."""
+    if name.startswith("backbone."):
+        name = "model." + name[len("backbone."):]
+    m = _EXPERT.match(name)
+    return f"{m.group(1)}.{m.group(3)}" if m else name
+
+
 def hf_to_native(state: dict[str, torch.Tensor], cfg: NemotronHConfig) -> dict[str, torch.Tensor]:
     """Rename and reorder a Hugging Face state dict (either layout) into native names and order."""
     out: dict[str, torch.Tensor] = {}

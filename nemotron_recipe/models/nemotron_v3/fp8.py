@@ -13,6 +13,13 @@ The layout, as the released files and their loaders describe it:
   one scale per tensor) and `<module>.input_scale` (the static activation scale, for FP8 GEMMs at
   inference); attention layers may carry `k_scale` / `v_scale` for an FP8 KV cache. Modules in
   `exclude_modules` stay bf16. The weight is `fp8 * weight_scale`.
+- which GEMMs the releases hold in FP8: NVIDIA's Nemotron 3 Super quantization page
+  (docs.nvidia.com/nemotron/nightly/nemotron/super3/quantization.html: the sparse and shared experts'
+  and the Mamba GEMMs FP8, attention QKV/output, latent projections and output layers BF16, router
+  FP32); the tensor dtypes and scale shapes as a public engine's test pins them to the released
+  checkpoints' safetensors headers (`F8_E4M3` weight, `F32` scalar `weight_scale` and `input_scale`,
+  `F32` scalar `k_scale`/`v_scale`, no scale beside a bf16 weight). No released `config.json` /
+  `hf_quant_config.json` of an FP8 Nemotron 3 checkpoint is in the public sources searched.
 
 Fine-grained FP8 (transformers' `quant_method: "fp8"` with `weight_block_size` [bm, bn], as DeepSeek's
 releases) is read too: `weight_scale_inv` holds one scale per [bm, bn] block and the weight is

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -49,7 +49,7 @@ from .checkpoint import mamba_in_proj_order
 from .config import ModelConfigError, NemotronHConfig
 from .kernels import linear_cross_entropy_sum
 from .model import Experts, LMHead, NemotronHForCausalLM, expert_matmul, local
-from . import nf4
+from . import fp8_base, nf4
 from .nf4 import nf4_bytes, quantize
 
 # Every linear projection of every block kind; routed experts (`experts.up_proj`) and LatentMoE's
@@ -101,7 +101,12 @@ class LoRALinear(nn.Linear):
     adapter_off = False  # set by `adapters_disabled`: the base alone computes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = nf4.linear(x, self.weight, self.bias) if nf4.is_nf4(self.weight) else F.linear(x, self.weight, self.bias)
+        if nf4.is_nf4(self.weight):
+            out = nf4.linear(x, self.weight, self.bias, getattr(self, "nf4_tp", None))
+        elif fp8_base.is_kept(self, "weight"):
+            out = fp8_base.linear(x, self.weight, fp8_base.scale_of(self, "weight"), self.bias)
+        else:
+            out = F.linear(x, self.weight, self.bias)
         if self.adapter_off:
             return out
         low = self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype)))
@@ -412,16 +417,29 @@ def init_adapters(model: nn.Module, seed: int) -> None:
 
 
 # ------------------------------------------------------------------------------- tensor parallel
+def _register_nf4(module: nn.Module) -> None:
+    """An NF4 weight's part (`_place`) is held apart while a style's `distribute_module` runs, which would
+    make every plain parameter it finds a replicated DTensor; registered back afterwards."""
+    if (pending := module.__dict__.pop("_nf4_pending", None)) is not None:
+        name, local = pending
+        module.register_parameter(name, nn.Parameter(local, requires_grad=False))
+
+
 class _AdaptedColwise(ColwiseParallel):
     """Colwise base: `B` sharded by output rows like the weight, `A` replicated."""
 
     def _partition_linear_fn(self, name, module, device_mesh):
         if name:  # the adapters are placed with their base
             return
-        _place(module, "weight", device_mesh, Shard(0))
+        _place(module, "weight", device_mesh, Shard(0), Shard(-1))
         _place(module, "bias", device_mesh, Shard(0))
         _place(module.lora_A, "weight", device_mesh, Replicate())
         _place(module.lora_B, "weight", device_mesh, Shard(0))
+
+    def _apply(self, module, device_mesh):
+        out = super()._apply(module, device_mesh)
+        _register_nf4(module)
+        return out
 
 
 class _AdaptedRowwise(RowwiseParallel):
@@ -431,15 +449,28 @@ class _AdaptedRowwise(RowwiseParallel):
     def _partition_linear_fn(self, name, module, device_mesh):
         if name:
             return
-        _place(module, "weight", device_mesh, Shard(1))
+        _place(module, "weight", device_mesh, Shard(1), Partial())
         _place(module, "bias", device_mesh, Replicate())
         _place(module.lora_A, "weight", device_mesh, Shard(1))
         _place(module.lora_B, "weight", device_mesh, Replicate())
 
+    def _apply(self, module, device_mesh):
+        out = super()._apply(module, device_mesh)
+        _register_nf4(module)
+        return out
 
-def _place(module: nn.Module, name: str, mesh, placement) -> None:
+
+def _place(module: nn.Module, name: str, mesh, placement, output=None) -> None:
+    """`module.name` as a DTensor of `placement`; an NF4 weight as this rank's NF4 part of it instead,
+    whose GEMM hands on the `output` placement the DTensor weight's would (nf4.linear)."""
     param = getattr(module, name, None)
     if param is None:
+        return
+    if nf4.is_nf4(param):
+        local = nf4.shard(param, placement.dim, mesh.get_local_rank(), mesh.size(), f"{type(module).__name__}.{name}")
+        del module._parameters[name]
+        module.__dict__["_nf4_pending"] = (name, local)
+        module.nf4_tp = nf4.TensorParallelNF4(mesh, output)
         return
     dist_param = distribute_tensor(param, mesh, [placement], src_data_rank=None)
     module.register_parameter(name, nn.Parameter(dist_param, requires_grad=param.requires_grad))
@@ -453,9 +484,17 @@ def adapter_styles(root: nn.Module, styles: dict[str, ParallelStyle]) -> dict[st
     replaced by one that shards its adapters consistently with it."""
     out = {}
     for name, style in styles.items():
-        if type(style) in _ADAPTED_STYLES and isinstance(root.get_submodule(name), LoRALinear):
+        module = root.get_submodule(name)
+        adapted = type(style) in _ADAPTED_STYLES and isinstance(module, LoRALinear)
+        if adapted:
             style = copy.copy(style)
             style.__class__ = _ADAPTED_STYLES[type(style)]
+        elif nf4.is_nf4(getattr(module, "weight", None)):
+            raise nf4.NF4Error(
+                f"{name}: its NF4 weight cannot be split by {type(style).__name__}: tensor parallel splits a 4-bit "
+                "projection that carries an adapter, by rows or columns (and key/value heads when mesh.tp does not "
+                "exceed num_key_value_heads). Fix: add it to peft.target_modules, use mesh.tp <= num_key_value_heads, "
+                "or peft.base_dtype=bf16.")
         out[name] = style
     return out
 

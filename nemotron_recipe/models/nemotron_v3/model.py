@@ -40,6 +40,7 @@ from .kernels import (
 )
 from .mtp import shift_for_mtp
 from .ops import attention, causal_attention, causal_conv1d
+from . import fp8_base
 from .nf4 import experts_matmul_nf4
 from .ssd import discretize_dt, ssd_chunked
 
@@ -432,6 +433,8 @@ class Experts(nn.Module):
         # the counts; otherwise one matmul per expert.
         if "up_proj" in getattr(self, "nf4_shapes", {}):  # dequantized in the rows' dtype
             up = rows.new_empty(0, *self.nf4_shapes["up_proj"][1:])
+        elif fp8_base.is_kept(self, "up_proj"):
+            up = rows.new_empty(0, *up.shape[1:])
         groups = counts.cumsum(0).to(torch.int32) if _grouped_mm_supported(rows, up) else counts.tolist()
         hidden = self._matmul("up_proj", rows, local(self.up_proj), groups)
         if lora is not None and "up_proj" in lora:
@@ -446,6 +449,8 @@ class Experts(nn.Module):
         """An NF4 base (nf4.py) stores `proj` [E, out, in] as [E*out, in] and dequantizes it per GEMM."""
         if proj in getattr(self, "nf4_shapes", {}):
             return experts_matmul_nf4(rows, weight, self.nf4_shapes[proj], groups, expert_matmul)
+        if fp8_base.is_kept(self, proj):  # an FP8 checkpoint's weights kept as the base (fp8_base.py)
+            return fp8_base.experts_matmul(rows, weight, fp8_base.scale_of(self, proj), groups, expert_matmul)
         return expert_matmul(rows, weight, groups)
 
 

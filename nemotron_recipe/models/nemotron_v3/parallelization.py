@@ -82,6 +82,7 @@ from nemotron_recipe.distributed.tensor_parallel import (
     ShardParameters,
 )
 
+from . import nf4
 from .context_parallel import check_mamba
 from .kernels import SELECTIVE_AC_SAVED_OPS
 from .lora import adapter_styles, shard_adapters
@@ -424,6 +425,7 @@ def apply_expert_parallel(blocks: list[nn.Module], ep_mesh: DeviceMesh) -> list[
     experts = _moe_experts(blocks)
     for module in experts:
         shard_experts(module, ep_mesh, module.num_experts)
+        nf4.shard_experts(module, ep_mesh.get_local_rank(), ep_mesh.size())  # a 4-bit base's stacked weights
         module.ep_group = ep_mesh.get_group()
     return experts
 

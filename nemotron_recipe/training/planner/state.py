@@ -51,8 +51,8 @@ def parameter_state(p: nn.Parameter) -> StateBytes:
     local = p._local_tensor if isinstance(p, DTensor) else p
     held = local.untyped_storage().nbytes()
     elements = held // local.element_size()
-    if (per_weight := getattr(p, "nf4_bytes_per_weight", None)) is not None:
-        # An NF4 base weight: FSDP holds and gathers its 4-bit codes and scales, counted here as the
+    if (per_weight := getattr(p, "stored_bytes_per_weight", None)) is not None:
+        # An NF4 or FP8 base weight: FSDP holds and gathers its codes and scales, counted here as the
         # bf16 elements of the same bytes.
         held = int(elements * per_weight)
         return StateBytes(params=held, elements=held // local.element_size())

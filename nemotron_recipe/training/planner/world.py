@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from nemotron_recipe.distributed.plan import ParallelMeshes, ParallelPlan
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
+from nemotron_recipe.models.nemotron_v3.checkpoint import native_weight_name, safetensors_files
 from nemotron_recipe.models.nemotron_v3.lora import (
     LoRASpec,
     add_adapters,
@@ -88,13 +90,16 @@ class Trainability:
     base_dtype: torch.dtype = torch.float32
     freeze_router: bool = False
     nf4: bool = False  # the base projections in 4-bit NF4 (`peft.base_dtype=nf4`)
+    # `peft.base_dtype=fp8`: the native names of the base projections kept in FP8 (all of them: None).
+    fp8: frozenset[str] | None = frozenset()
 
     @classmethod
     def from_config(cls, cfg: Any) -> Trainability:
         spec = lora_spec(cfg)
         base = BASE_DTYPES[cfg.peft.base_dtype] if spec else torch.float32
+        fp8 = fp8_weight_names(str(cfg.model.pretrained)) if spec and cfg.peft.base_dtype == "fp8" else frozenset()
         return cls(spec, base, bool(getattr(getattr(cfg, "moe", None), "freeze_router", False)),
-                   bool(spec) and cfg.peft.base_dtype == "nf4")
+                   bool(spec) and cfg.peft.base_dtype == "nf4", fp8)
 
     def reapply(self) -> Callable[[nn.Module], None] | None:
         freeze = ([freeze_base] if self.lora else []) + ([freeze_routers] if self.freeze_router else [])
@@ -108,6 +113,20 @@ class Trainability:
         return reapply
 
 
+def fp8_weight_names(path: str) -> frozenset[str] | None:
+    """The native names of the weights an FP8 checkpoint at `path` stores in FP8, from its files' headers
+    (no weight is read); None where `path` is no local directory (a hub id): every base projection."""
+    from safetensors import safe_open
+
+    if not Path(path).expanduser().is_dir():
+        return None
+    names = set()
+    for file in safetensors_files(str(Path(path).expanduser())):
+        with safe_open(file, framework="pt") as f:
+            names |= {n for n in f.keys() if f.get_slice(n).get_dtype() == "F8_E4M3"}
+    return frozenset(native_weight_name(n) for n in names)
+
+
 def sharded_meta_model(config: NemotronHConfig, plan: ParallelPlan, meshes: ParallelMeshes,
                        trainability: Trainability | None = None) -> nn.Module:
     """`config`'s model on the meta device, adapted, frozen and parallelized exactly as training does."""
@@ -117,11 +136,14 @@ def sharded_meta_model(config: NemotronHConfig, plan: ParallelPlan, meshes: Para
     if trainability.lora:
         model.to(trainability.base_dtype)
         add_adapters(model, trainability.lora)
-    targets = set(nf4_targets(model)) if trainability.nf4 else set()
-    quantized = {name: tuple(p.shape) for name, p in model.named_parameters() if name in targets}
+    targets = set(nf4_targets(model)) if trainability.lora else set()
+    fp8 = targets if trainability.fp8 is None else targets & trainability.fp8
+    quantized = {name: tuple(p.shape) for name, p in model.named_parameters()
+                 if name in targets and (trainability.nf4 or name in fp8)}
     model = parallelize_model(model, plan, meshes, reapply_trainability=trainability.reapply())
     for name, p in model.named_parameters():
-        shape = quantized.get(name.replace("_checkpoint_wrapped_module.", ""))
-        if shape is not None:  # a meta model is not quantized: state.py counts these at NF4's bytes
-            p.nf4_bytes_per_weight = bytes_per_weight(shape)
+        plain = name.replace("_checkpoint_wrapped_module.", "")
+        if (shape := quantized.get(plain)) is not None:  # a meta model is not quantized: state.py counts its bytes
+            # NF4: half a byte and the scales; FP8: a byte and a float32 scale per row.
+            p.stored_bytes_per_weight = bytes_per_weight(shape, name=plain) if trainability.nf4 else 1 + 4 / shape[-1]
     return model
