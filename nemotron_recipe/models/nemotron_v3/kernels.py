@@ -208,13 +208,14 @@ def _scan_block_forward(x, dt, A, B, C, D, q, doc, doc_before, state_in, md):
 
     # Each chunk's state at its end, [b,g,c,r*p,n], then the state entering each chunk (a short
     # recurrence over chunks, states kept group-major: [b,g,r,p,n] is [b,h,p,n]).
-    S = _mm(_group_major(X * w[..., None], g, md).transpose(-1, -2), Bg, md, md).view(b, g, c, r, p, n)
+    # S in fp32: the recurrence adds it to the fp32 state (a bf16 S would be cast chunk by chunk).
+    S = _mm(_group_major(X * w[..., None], g, md).transpose(-1, -2), Bg, md, ct).view(b, g, c, r, p, n)
     decay = gamma.view(b, g, r, c, 1, 1)
     state = state_in.view(b, g, r, p, n)
     P = torch.empty(b, g, c, r, p, n, dtype=md, device=x.device)  # written chunk by chunk, no stack
     for k in range(c):
         P[:, :, k] = state
-        state = torch.addcmul(S[:, :, k], state, decay[:, :, :, k])  # fp32: S is promoted
+        state = torch.addcmul(S[:, :, k], state, decay[:, :, :, k])
     P = P.view(b, g, c, r * p, n)
 
     # The carried-in state read out by C, and the skip term.
@@ -240,7 +241,7 @@ def _scan_block_backward(gy, A, D, saved, grad_state_out):
     Eg = E.view(b, g, r, c, q, 1)
     gs = (gY.view(b, g, r, c, q, p) * Z).sum(-1).mul_(Eg[..., 0]).view(b, h, c, q)  # gradient of the log-decays s
     gZ = _group_major(gY * E[..., None], g, md)  # [b,g,c,q,r*p]
-    gP = _mm(gZ.transpose(-1, -2), Cg, md, md).view(b, g, c, r, p, n)
+    gP = _mm(gZ.transpose(-1, -2), Cg, md, ct).view(b, g, c, r, p, n)  # fp32, as S in forward
     gC = _mm(gZ, P, md, ct)  # [b,g,c,q,n]
 
     # The recurrence P[k+1] = gamma[k] P[k] + S[k], backwards over chunks (carried in fp32).
