@@ -178,6 +178,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="unprofiled steps timed for the MFU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int)
+    p.add_argument("--peak-size", type=int, help="n of the n x n x n peak matmul (default 2048)")
     p.add_argument("--copies", type=int, default=0, metavar="N", help="print the N largest copy sources")
     p.add_argument("--label", default="", help="the row's run label (e.g. before, after)")
     p.add_argument("--no-record", dest="record", action="store_false")
@@ -203,9 +204,9 @@ def profile_step(args) -> dict:
     def step():
         ours_step(model, optimizer, ids, targets, args)
 
-    peak = peak_matmul_flops(device, DTYPES[args.dtype])
+    peak = peak_matmul_flops(device, DTYPES[args.dtype], args.peak_size)
     times, _ = interleaved_times({"step": step}, device, args.warmup, args.steps)
-    peak = max(peak, peak_matmul_flops(device, DTYPES[args.dtype]))
+    peak = max(peak, peak_matmul_flops(device, DTYPES[args.dtype], args.peak_size))
     handles = _scope_hooks(model)
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
