@@ -247,13 +247,13 @@ def _scan_block_backward(gy, A, D, saved, grad_state_out):
     # The recurrence P[k+1] = gamma[k] P[k] + S[k], backwards over chunks (carried in fp32).
     decay = gamma.view(b, g, r, c, 1, 1)
     gS = torch.empty(b, g, c, r, p, n, dtype=md, device=xh.device)
-    dots = torch.empty(b, g, c, r, dtype=ct, device=xh.device)  # <gS[k], P[k]>: d/d gamma[k] of gamma[k] P[k]
-    Pk = P.view(b, g, c, r, p, n)
     carried = grad_state_out.view(b, g, r, p, n)
     for k in range(c - 1, -1, -1):
         gS[:, :, k] = carried
-        dots[:, :, k] = (carried * Pk[:, :, k]).sum((-1, -2))  # while both are in cache, in fp32
         carried = torch.addcmul(gP[:, :, k], carried, decay[:, :, :, k])
+    # <gS[k], P[k]> (d/d gamma[k] of gamma[k] P[k]) for every chunk at once, a product of the two
+    # matmul-dtype operands like the others (fp32 with fp32 inputs): no per-chunk cast of P.
+    dots = _mm(gS.view(b, g, c, r, 1, p * n), P.view(b, g, c, r, p * n, 1), md, ct).view(b, g, c, r)
     gs.view(b, g, r, c, q)[..., -1] += dots.transpose(2, 3).mul_(gamma.view(b, g, r, c))
 
     # Chunk states S = (X * w)^T @ B.

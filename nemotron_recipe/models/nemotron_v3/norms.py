@@ -70,8 +70,8 @@ class GatedGroupRMSNormFn(torch.autograd.Function):
         yf = _fp32(y)
         hn = (yf * gate).unflatten(-1, (-1, ctx.group_size)) * rstd
         grad_w = None
-        if ctx.needs_input_grad[2]:  # the plain path's product is in y's dtype: so is its rounding
-            grad_w = (_fp32(grad) * hn.flatten(-2).to(y.dtype)).flatten(0, -2).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[2]:  # in y's dtype, as the plain path's product
+            grad_w = (grad * hn.flatten(-2).to(y.dtype)).flatten(0, -2).sum(0).to(weight.dtype)
         gh = _norm_backward(_fp32(grad * weight).unflatten(-1, (-1, ctx.group_size)), hn, rstd).flatten(-2)
         grad_y = (gh * gate).to(y.dtype) if ctx.needs_input_grad[0] else None
         grad_z = None
