@@ -25,8 +25,9 @@ def _rstd(h: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _norm_backward(gh: torch.Tensor, hn: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
-    """d/dh of hn = h * rstd(h) given the gradient `gh` of hn (last axis normalised)."""
-    return rstd * (gh - hn * (gh * hn).mean(-1, keepdim=True))
+    """d/dh of hn = h * rstd(h) given the gradient `gh` of hn (last axis normalised); `gh` is
+    overwritten."""
+    return gh.sub_(hn * (gh * hn).mean(-1, keepdim=True)).mul_(rstd)
 
 
 class RMSNormFn(torch.autograd.Function):
@@ -64,19 +65,15 @@ class GatedGroupRMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         y, z, weight, rstd = ctx.saved_tensors
-        zf = _fp32(z)
-        sig = torch.sigmoid(zf)
-        gate = zf * sig
-        yf = _fp32(y)
-        hn = (yf * gate).unflatten(-1, (-1, ctx.group_size)) * rstd
+        zf, yf = _fp32(z), _fp32(y)
+        gate = F.silu(zf)
+        hn = (yf * gate).unflatten(-1, (-1, ctx.group_size)).mul_(rstd)
         grad_w = None
         if ctx.needs_input_grad[2]:  # in y's dtype, as the plain path's product
             grad_w = (grad * hn.flatten(-2).to(y.dtype)).flatten(0, -2).sum(0).to(weight.dtype)
         gh = _norm_backward(_fp32(grad * weight).unflatten(-1, (-1, ctx.group_size)), hn, rstd).flatten(-2)
         grad_y = (gh * gate).to(y.dtype) if ctx.needs_input_grad[0] else None
-        grad_z = None
-        if ctx.needs_input_grad[1]:
-            grad_z = (gh * yf * sig * (1 + zf * (1 - sig))).to(z.dtype)
+        grad_z = torch.ops.aten.silu_backward(gh.mul_(yf), zf).to(z.dtype) if ctx.needs_input_grad[1] else None
         return grad_y, grad_z, grad_w, None, None
 
 
