@@ -10,10 +10,12 @@ of prompt + response tokens, the response trained):
 - `dpo base`: DPO with the reference the base with the adapters switched off (`BaseReference`): a
   no-grad forward of the 2 x pairs sequences, then the policy's forward and backward (`sequence_logps`,
   `preference_loss`, the objective's own functions);
-- `dpo copy`: the same with the reference a frozen copy of the base (`CopyReference`).
+- `dpo copy`: the same with the reference a frozen copy of the base (`CopyReference`);
+- `dpo precomputed`: the same with the reference's log-probs read from a table computed once before
+  the timing (`PrecomputedReference`): no reference forward in the step.
 The steps alternate within each round, so load on a shared machine falls on all alike; each reports
 its median. Parameter memory: the bytes of the distinct parameter and buffer storages the step's
-models hold (the policy, plus the copy under reference=copy).
+models hold (the policy, plus the copy under reference=copy, plus the table's bytes under precomputed).
 
 Each run appends a row to a table in benchmarks/RESULTS.md with the exact command (`--no-record` to skip).
 """
@@ -34,11 +36,12 @@ from nemotron_recipe.models.nemotron_v3 import PRESETS, NemotronHForCausalLM
 from nemotron_recipe.models.nemotron_v3.lora import DEFAULT_TARGETS, LoRASpec, add_adapters, freeze_base, init_adapters
 from nemotron_recipe.training.loss import IGNORE_INDEX, forward_loss_sum
 from nemotron_recipe.training.objectives.dpo_loss import preference_loss, sequence_logps
-from nemotron_recipe.training.objectives.reference import BaseReference, CopyReference
+from nemotron_recipe.training.objectives.reference import BaseReference, CopyReference, PrecomputedReference
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HEADER = ("| date (commit) | device | model | base dtype | pairs x (prompt + response) | sft s/step | dpo base s/step | "
-          "dpo copy s/step | dpo base / sft | copy / base | parameter memory: sft / base adds / copy adds | command |")
+          "dpo copy s/step | dpo precomputed s/step | dpo base / sft | copy / base | precomputed / base | "
+          "parameter memory: sft / base adds / copy adds / precomputed adds | command |")
 
 
 def build(cfg, dtype: torch.dtype, seed: int, adapters: bool, device: torch.device) -> torch.nn.Module:
@@ -65,6 +68,14 @@ def pairs_batch(vocab: int, pairs: int, prompt: int, response: int, device: torc
     targets[:, : prompt - 1] = IGNORE_INDEX
     targets[:, -1] = IGNORE_INDEX
     return ids.to(device), targets.to(device)
+
+
+def precomputed_table(reference: torch.nn.Module, logps, batch: dict[str, torch.Tensor], pairs: int
+                      ) -> dict[str, torch.Tensor]:
+    """The [pairs, 2] (chosen, rejected) table `reference=precomputed` reads, from the starting weights."""
+    with torch.no_grad():
+        values = logps(reference, batch).float()
+    return {"train": torch.stack([values[:pairs], values[pairs:]], dim=1)}
 
 
 def held_bytes(*models: torch.nn.Module) -> int:
@@ -101,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-5)
     ids, targets = pairs_batch(cfg.vocab_size, args.pairs, args.prompt_len, args.response_len, device)
     batch = {"input_ids": ids, "targets": targets}
+    index = torch.arange(args.pairs)
 
     def logps(model, b):
         return sequence_logps(model(b["input_ids"]).logits, b["targets"])
@@ -115,24 +127,29 @@ def main(argv: list[str] | None = None) -> None:
 
     def dpo(reference):
         def step():
-            ref = reference.logps(batch, "train").float()
+            ref = reference.logps({**batch, "pair_index": index}, "train").float()
             pol = logps(policy, batch)
             p = args.pairs
             preference_loss(pol[:p], pol[p:], ref[:p], ref[p:], beta=0.1).losses.mean().backward()
             finish()
         return step
 
-    steps = {"sft": sft, "dpo base": dpo(BaseReference(policy, logps)), "dpo copy": dpo(CopyReference(copy, logps))}
+    table = precomputed_table(copy, logps, batch, args.pairs)
+    steps = {"sft": sft, "dpo base": dpo(BaseReference(policy, logps)), "dpo copy": dpo(CopyReference(copy, logps)),
+             "dpo precomputed": dpo(PrecomputedReference(table, device))}
     times, cpu = interleaved_times(steps, device, args.warmup, args.rounds)
     med = {k: statistics.median(v) for k, v in times.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-    memory = {"sft": held_bytes(policy), "dpo base": held_bytes(policy), "dpo copy": held_bytes(policy, copy)}
+    table_bytes = table["train"].numel() * table["train"].element_size()
+    memory = {"sft": held_bytes(policy), "dpo base": held_bytes(policy), "dpo copy": held_bytes(policy, copy),
+              "dpo precomputed": held_bytes(policy) + table_bytes}
     for k in steps:
-        print(f"{k:9s} {med[k]:.3f} s/step (cpu {med_cpu[k]:.3f} s)  parameter memory {memory[k] / 2**20:.1f} MiB")
-    base_ratio, copy_ratio = med["dpo base"] / med["sft"], med["dpo copy"] / med["dpo base"]
-    print(f"dpo base / sft: {base_ratio:.2f}x (cpu {med_cpu['dpo base'] / med_cpu['sft']:.2f}x), parameter memory "
-          f"+{(memory['dpo base'] - memory['sft']) / 2**20:.1f} MiB; dpo copy / dpo base: {copy_ratio:.2f}x, "
-          f"+{(memory['dpo copy'] - memory['dpo base']) / 2**20:.1f} MiB")
+        print(f"{k:15s} {med[k]:.3f} s/step (cpu {med_cpu[k]:.3f} s)  parameter memory {memory[k] / 2**20:.1f} MiB")
+    ratio = lambda a, b: f"{med[a] / med[b]:.2f}x (cpu {med_cpu[a] / med_cpu[b]:.2f}x)"  # noqa: E731
+    adds = lambda k, b: f"+{mib(memory[k] - memory[b])}"  # noqa: E731
+    print(f"dpo base / sft: {ratio('dpo base', 'sft')}, parameter memory {adds('dpo base', 'sft')}; "
+          f"dpo copy / dpo base: {ratio('dpo copy', 'dpo base')}, {adds('dpo copy', 'dpo base')}; "
+          f"dpo precomputed / dpo base: {ratio('dpo precomputed', 'dpo base')}, {adds('dpo precomputed', 'dpo base')}")
     if args.no_record:
         return
     size = args.preset + (f" (hidden {args.hidden})" if args.hidden else "")
@@ -140,9 +157,10 @@ def main(argv: list[str] | None = None) -> None:
     append_row(HEADER, (
         f"| {measured()} | {device_name(device)} | {size} | {args.dtype} | {args.pairs} x "
         f"({args.prompt_len} + {args.response_len}) | {med['sft']:.3f} | {med['dpo base']:.3f} | "
-        f"{med['dpo copy']:.3f} | {base_ratio:.2f}x (cpu {med_cpu['dpo base'] / med_cpu['sft']:.2f}x) | "
-        f"{copy_ratio:.2f}x (cpu {med_cpu['dpo copy'] / med_cpu['dpo base']:.2f}x) | {mib(memory['sft'])} / "
-        f"+{mib(memory['dpo base'] - memory['sft'])} / +{mib(memory['dpo copy'] - memory['dpo base'])} | `{command}` |"))
+        f"{med['dpo copy']:.3f} | {med['dpo precomputed']:.3f} | {ratio('dpo base', 'sft')} | "
+        f"{ratio('dpo copy', 'dpo base')} | {ratio('dpo precomputed', 'dpo base')} | {mib(memory['sft'])} / "
+        f"{adds('dpo base', 'sft')} / {adds('dpo copy', 'dpo base')} / {adds('dpo precomputed', 'dpo base')} | "
+        f"`{command}` |"))
 
 if __name__ == "__main__":
     main()

@@ -2,11 +2,14 @@
 
     python -m recipes.preview data.reasoning=answer_only data.chat_template=nemotron3 preview.n=2
     python -m recipes.preview data.packing=true preview.format=json
+    python -m recipes.preview objective=dpo peft=lora preview.n=1
 
 Takes every override `recipes.finetune` takes, plus the `preview` group (`PreviewConfig`). Builds the
 data exactly as a run does (chat format, reasoning option, length policy, packing) and prints the
 first `preview.n` sequences in the order training reads them, trained text marked, then the
 trained and total token counts of each split and how many rows were truncated, dropped or skipped.
+Under `objective=dpo` it shows preference pairs: the prompt, then the chosen and the rejected sequence,
+each with the tokens its log-prob sums over marked (`training/preview_pairs.py`).
 """
 
 from __future__ import annotations
@@ -60,10 +63,6 @@ def preview_report(cfg: DictConfig, *, color: bool = False) -> str:
                 if value not in choices]
     problems += [f"preview.n={p.n}: must be >= 1. Fix: e.g. preview.n=3."] if p.n < 1 else []
     problems += check_data_config(cfg.data)
-    if cfg.objective.name != "sft":
-        problems.append(f"objective={cfg.objective.name}: the preview renders SFT rows; preference pairs are not "
-                        "rendered yet. Fix: preview SFT data (objective=sft); for pairs, `python -m recipes.finetune "
-                        "objective=dpo trainer.max_steps=1` logs how many were kept, truncated and dropped.")
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     tokenizer, data = load_training_data(cfg, build_model_config(cfg.model).vocab_size)
@@ -73,8 +72,15 @@ def preview_report(cfg: DictConfig, *, color: bool = False) -> str:
             raise ConfigError("preview.split=val: the run has no validation data. Fix: set data.val_file or "
                               "data.val_split_fraction, or preview.split=train.")
         examples, order = data.val, list(range(min(p.n, len(data.val))))
-    else:
+    else:  # DPO's batch plan counts pairs, as SFT's counts sequences
         examples, order = data.train, training_order(len(data.train), cfg, p.n)
+    if cfg.objective.name == "dpo":
+        from nemotron_recipe.training.preview_pairs import pairs_as_json, pairs_as_text, preview_pairs
+
+        pairs = preview_pairs(examples, order, seq_len, tokenizer.pad_token_id)
+        if p.format == "json":
+            return pairs_as_json(pairs, tokenizer, data, seq_len)
+        return pairs_as_text(pairs, tokenizer, data, seq_len, color=color, split=p.split)
     shown = preview_examples(examples, order, seq_len, tokenizer.pad_token_id)
     if p.format == "json":
         return as_json(shown, tokenizer, data, seq_len)

@@ -63,13 +63,39 @@ def test_preview_shows_the_mask_training_applies(tmp_path, monkeypatch):
         assert "Recall" not in example["trained_text"] and "think" in example["text"]
 
 
+def test_dpo_preview_shows_the_pairs_and_masks_a_dpo_step_collates(tmp_path, monkeypatch):
+    """One DPO step records the micro-batches it collates (chosen halves first, then rejected); the preview
+    of the same overrides shows those pairs in that order, each half's tokens and the mask its log-prob
+    sums over, and a prompt both halves start with and that trains nothing."""
+    from nemotron_recipe.training.objectives import dpo as dpo_module
+
+    small = [f"model.{k}={v}" for k, v in {**SMALL_DIMS, "vocab_size": 512}.items()]
+    common = ["objective=dpo", "peft=lora", "data.val_file=null"]
+    batches = []
+    begin = dpo_module.DPOObjective.begin_step
+    monkeypatch.setattr(dpo_module.DPOObjective, "begin_step",
+                        lambda self, mbs: batches.extend(mbs) or begin(self, mbs))
+    run(compose_run(tmp_path, *common, *small, "trainer.max_steps=1", "eval.sample_tokens=0"))
+    shown = preview(*common, "preview.n=4", "preview.format=json")
+    rows = [(b, half, r) for b in batches for r in range(b["pair_index"].numel()) for half in (0, 1)]
+    assert [b["pair_index"][r].item() for b, half, r in rows[::2]] == [p["index"] for p in shown["pairs"]]
+    for (batch, half, r), (pair, name) in zip(rows, [(p, h) for p in shown["pairs"] for h in ("chosen", "rejected")]):
+        row = half * batch["pair_index"].numel() + r
+        ids, targets, example = batch["input_ids"][row], batch["targets"][row], pair[name]
+        n = len(example["tokens"])
+        assert example["tokens"] == ids[:n].tolist()
+        assert example["trained_mask"] == [0] + (targets[: n - 1] != IGNORE_INDEX).int().tolist()
+        assert (targets[n - 1:] == IGNORE_INDEX).all()
+        assert example["text"].startswith(pair["prompt"]) and pair["prompt"] not in example["trained_text"]
+    assert shown["summary"][0]["pairs"] == 512 and shown["summary"][0]["split"] == "train"
+    assert "--- train pair" in preview(*common, "preview.n=1")
+
+
 def test_preview_settings_are_checked():
     with pytest.raises(ConfigError, match=r"(?s)preview.format='xml': unknown.*preview.n=0: must be >= 1"):
         preview("preview.format=xml", "preview.n=0")
     with pytest.raises(ConfigError, match="preview.split=val: the run has no validation data"):
         preview("data.val_file=null", "preview.split=val")
-    with pytest.raises(ConfigError, match="objective=dpo: the preview renders SFT rows"):
-        preview("objective=dpo")
 
 
 def test_preview_cli_marks_trained_tokens_counts_the_file_and_writes_nothing(tmp_path):

@@ -8,6 +8,11 @@ from typing import Optional
 IGNORE_INDEX = -100
 
 
+def shifted_targets(ids: list[int], trained: list[bool]) -> list[int]:
+    """Position t predicts ids[t + 1], and is trained when that token is; the last position never is."""
+    return [nxt if keep else IGNORE_INDEX for nxt, keep in zip(ids[1:], trained[1:])] + [IGNORE_INDEX]
+
+
 @dataclass
 class SFTExamples:
     """Tokenized SFT sequences.

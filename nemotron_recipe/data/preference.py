@@ -22,7 +22,7 @@ from typing import Any, Optional
 from transformers import PreTrainedTokenizerBase
 
 from .chat import ChatFormatter, describe, encode_conversation
-from .examples import IGNORE_INDEX, SFTExamples
+from .examples import IGNORE_INDEX, SFTExamples, shifted_targets
 from .sft import split_indices
 from .sources import MAX_LENGTH_POLICIES, REASONING_FIELD, Columns, DataError, Rows, _check_turns, load_rows
 
@@ -123,10 +123,6 @@ class PreferencePairs:
                 "prompt_too_long": self.num_prompt_too_long, "identical": self.num_identical}
 
 
-def _targets(ids: list[int], trained: list[bool]) -> list[int]:
-    return [nxt if keep else IGNORE_INDEX for nxt, keep in zip(ids[1:], trained[1:])] + [IGNORE_INDEX]
-
-
 def add_pair(out: PreferencePairs, halves: list[tuple[list[int], list[bool]]], seq_len: int, policy: str) -> None:
     """Applies the length policy to one pair's (ids, trained) halves and keeps or counts it."""
     cut = any(len(ids) > seq_len for ids, _ in halves)
@@ -134,7 +130,7 @@ def add_pair(out: PreferencePairs, halves: list[tuple[list[int], list[bool]]], s
         out.num_dropped += 1
         return
     halves = [(ids[:seq_len], trained[:seq_len]) for ids, trained in halves]
-    targets = [_targets(ids, trained) for ids, trained in halves]
+    targets = [shifted_targets(ids, trained) for ids, trained in halves]
     if any(all(t == IGNORE_INDEX for t in tgt) for tgt in targets):
         out.num_prompt_too_long += 1
         return
@@ -149,14 +145,11 @@ def tokenize_pairs(rows: Rows, formatter: ChatFormatter, cols: PreferenceColumns
     """Render and tokenize `rows` (or those at `indices`) into pairs, as the module docstring says."""
     if max_length_policy not in MAX_LENGTH_POLICIES:
         raise DataError(f"data.max_length_policy={max_length_policy!r}: use one of {list(MAX_LENGTH_POLICIES)}.")
-    order = list(range(len(rows))) if indices is None else list(indices)
+    order = range(len(rows)) if indices is None else indices
     out = PreferencePairs()
-    for lo in range(0, len(order), _CHUNK):
-        chunk = order[lo: lo + _CHUNK]
-        as_rows = rows.take(chunk, tuple(cols.required))
+    for _, as_rows, wheres in rows.chunks(order, tuple(cols.required), _CHUNK):
         conversations, where = [], []
-        for i, row in zip(chunk, as_rows):
-            w = rows.where(i)
+        for row, w in zip(as_rows, wheres):
             prompt = cols.turns(row, cols.prompt_key, w)
             chosen, rejected = cols.turns(row, cols.chosen_key, w), cols.turns(row, cols.rejected_key, w)
             if chosen == rejected:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from .chat import ChatFormatter, Encoded, describe
-from .examples import IGNORE_INDEX, SFTExamples
+from .examples import IGNORE_INDEX, SFTExamples, shifted_targets
 from .packing import pack_examples
 from .reasoning import has_reasoning
 from .sources import MAX_LENGTH_POLICIES, Columns, DataError, Rows, load_rows, source_format, turns_of
@@ -42,8 +42,7 @@ def encode_examples(
                 continue
             ids, trained = ids[:seq_len], trained[:seq_len]
             out.num_truncated += 1
-        # Position t predicts ids[t + 1], and is trained when that token is.
-        targets = [nxt if keep else IGNORE_INDEX for nxt, keep in zip(ids[1:], trained[1:])] + [IGNORE_INDEX]
+        targets = shifted_targets(ids, trained)
         if all(t == IGNORE_INDEX for t in targets):
             out.num_skipped += 1
             continue
@@ -62,14 +61,11 @@ def tokenize_rows(
     indices: Sequence[int] | None = None,
 ) -> SFTExamples:
     """Render and tokenize `rows` (or the rows at `indices`, in that order) into examples."""
-    order = list(range(len(rows))) if indices is None else list(indices)
+    order = range(len(rows)) if indices is None else indices
     out = SFTExamples(input_ids=[], targets=[])
-    for lo in range(0, len(order), _CHUNK):
-        chunk = order[lo : lo + _CHUNK]
-        as_rows = rows.take(chunk, cols.required)
+    for _, as_rows, where in rows.chunks(order, cols.required, _CHUNK):
         conversations = [turns_of(r, cols) for r in as_rows]
         out.num_reasoning += sum(has_reasoning(turns) for turns in conversations)
-        where = [rows.where(i) for i in chunk]
         encode_examples(formatter.encode(conversations, where), seq_len, max_length_policy, out)
     return out
 

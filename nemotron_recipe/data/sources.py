@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -88,6 +88,15 @@ class Rows:
         batch = self.dataset.select_columns(list(keys))[indices]
         return [dict(zip(batch, values)) for values in zip(*batch.values())]
 
+    def chunks(self, order: Sequence[int], keys: tuple[str, ...], size: int
+               ) -> Iterator[tuple[list[int], list[dict[str, Any]], list[str]]]:
+        """The rows at `order`, `size` at a time (a hub dataset is read column-wise per chunk), each chunk
+        as (indices, rows with the columns `keys`, how to name each row in an error)."""
+        order = list(order)
+        for lo in range(0, len(order), size):
+            indices = order[lo: lo + size]
+            yield indices, self.take(indices, keys), [self.where(i) for i in indices]
+
 
 # ------------------------------------------------------------------------------- resolving sources
 def looks_like_hub_id(value: str) -> bool:
@@ -106,51 +115,62 @@ def source_format(value: str, fmt: Optional[str]) -> str:
 
 def check_data_config(data_cfg: Any) -> list[str]:
     """Problems in the `data` settings that can be found without reading any data."""
-    errors: list[str] = []
-    fmt = None if data_cfg.format == PREFERENCE else data_cfg.format
-    if fmt is not None and fmt not in FORMATS:
-        errors.append(f"data.format={fmt!r}: unknown format. Fix: use one of {[*FORMATS, PREFERENCE]}, or null to "
-                      "infer it from the file extension.")
-        fmt = None
+    fmt, errors = _checked_format(data_cfg)
     for name in ("train_file", "val_file"):
-        value = getattr(data_cfg, name)
-        if value is None:
-            if name == "train_file":
-                errors.append("data.train_file is null. Fix: point it at a data file or a hub dataset name.")
-            continue
-        field_name = f"data.{name}"
-        kind = source_format(value, fmt)
-        p = Path(value).expanduser()
-        if kind == "hub":
-            if p.exists() or not _HUB_ID.match(value):
-                errors.append(f"{field_name}={value!r}: with data.format=hub it must be a hub dataset id "
-                              "like 'org/name'. Fix: set data.format to the file's format, or null.")
-            continue
-        if not p.is_file():
-            what = "is a directory, not a file" if p.is_dir() else "does not exist"
-            errors.append(
-                f"{field_name}={value!r}: {what} (relative paths resolve against the launch directory). "
-                f"Fix: point {field_name} at an existing .jsonl/.json/.parquet/.csv file, or at a Hugging "
-                "Face hub dataset as 'org/name'."
-            )
-        elif not kind:
-            errors.append(
-                f"{field_name}={value!r}: cannot tell the format from the extension {p.suffix!r}. Fix: set "
-                f"data.format to one of {list(FILE_FORMATS)}."
-            )
+        errors += _check_source(f"data.{name}", getattr(data_cfg, name), fmt)
+    return errors + _check_val_split(data_cfg) + _check_choices(data_cfg) + _check_chat_template(data_cfg.chat_template)
+
+
+def _checked_format(data_cfg: Any) -> tuple[str | None, list[str]]:
+    """`data.format` as the sources read it (None: from each file's extension), and its problem."""
+    fmt = None if data_cfg.format == PREFERENCE else data_cfg.format
+    if fmt is None or fmt in FORMATS:
+        return fmt, []
+    return None, [f"data.format={fmt!r}: unknown format. Fix: use one of {[*FORMATS, PREFERENCE]}, or null to "
+                  "infer it from the file extension."]
+
+
+def _check_source(field_name: str, value: str | None, fmt: str | None) -> list[str]:
+    """A data file (or hub dataset id) that exists and whose format is known."""
+    if value is None:
+        return ["data.train_file is null. Fix: point it at a data file or a hub dataset name."] \
+            if field_name == "data.train_file" else []
+    kind = source_format(value, fmt)
+    p = Path(value).expanduser()
+    if kind == "hub":
+        if p.exists() or not _HUB_ID.match(value):
+            return [f"{field_name}={value!r}: with data.format=hub it must be a hub dataset id like 'org/name'. "
+                    "Fix: set data.format to the file's format, or null."]
+        return []
+    if not p.is_file():
+        what = "is a directory, not a file" if p.is_dir() else "does not exist"
+        return [f"{field_name}={value!r}: {what} (relative paths resolve against the launch directory). Fix: point "
+                f"{field_name} at an existing .jsonl/.json/.parquet/.csv file, or at a Hugging Face hub dataset as "
+                "'org/name'."]
+    if not kind:
+        return [f"{field_name}={value!r}: cannot tell the format from the extension {p.suffix!r}. Fix: set "
+                f"data.format to one of {list(FILE_FORMATS)}."]
+    return []
+
+
+def _check_val_split(data_cfg: Any) -> list[str]:
+    """At most one way of choosing the validation set, and a held-out share in [0, 1)."""
     fraction = data_cfg.val_split_fraction
     if not 0.0 <= fraction < 1.0:
-        errors.append(f"data.val_split_fraction={fraction}: must lie in [0, 1). Fix: e.g. 0.05, or 0 for none.")
-    elif fraction > 0 and data_cfg.val_file is not None:
-        errors.append(
-            f"data.val_split_fraction={fraction} and data.val_file={data_cfg.val_file!r} both choose a "
-            "validation set. Fix: set data.val_file=null to hold out part of the training data, or "
-            "data.val_split_fraction=0 to use the file."
-        )
+        return [f"data.val_split_fraction={fraction}: must lie in [0, 1). Fix: e.g. 0.05, or 0 for none."]
+    if fraction > 0 and data_cfg.val_file is not None:
+        return [f"data.val_split_fraction={fraction} and data.val_file={data_cfg.val_file!r} both choose a "
+                "validation set. Fix: set data.val_file=null to hold out part of the training data, or "
+                "data.val_split_fraction=0 to use the file."]
+    return []
+
+
+def _check_choices(data_cfg: Any) -> list[str]:
+    """The columns and the enumerated options: messages_key, train_on, max_length_policy, reasoning."""
+    errors = []
     if data_cfg.messages_key is not None and not data_cfg.messages_key:
-        errors.append(
-            "data.messages_key='': empty. Fix: name the column of chat turns, or null for prompt/response rows."
-        )
+        errors.append("data.messages_key='': empty. Fix: name the column of chat turns, or null for prompt/response "
+                      "rows.")
     for name, choices in (("train_on", TRAIN_ON), ("max_length_policy", MAX_LENGTH_POLICIES)):
         if getattr(data_cfg, name) not in choices:
             errors.append(f"data.{name}={getattr(data_cfg, name)!r}: unknown value. Fix: use one of {list(choices)}.")
@@ -162,14 +182,15 @@ def check_data_config(data_cfg: Any) -> list[str]:
             "data.reasoning=answer_only with data.train_on=all: train_on=all makes every token a target, the "
             "reasoning's too. Fix: data.train_on=assistant (or last_assistant), or data.reasoning=train."
         )
-    template = data_cfg.chat_template
-    if template not in CHAT_TEMPLATES and "{" not in template:
-        errors.append(
-            f"data.chat_template={template!r}: neither one of {list(CHAT_TEMPLATES)} nor a Jinja template. Fix: use "
-            "auto (the tokenizer's template, else the built-in format), builtin, nemotron3 (the released Nemotron 3 "
-            "template), tokenizer (its template's generation markers), or a template string."
-        )
     return errors
+
+
+def _check_chat_template(template: str) -> list[str]:
+    if template in CHAT_TEMPLATES or "{" in template:
+        return []
+    return [f"data.chat_template={template!r}: neither one of {list(CHAT_TEMPLATES)} nor a Jinja template. Fix: use "
+            "auto (the tokenizer's template, else the built-in format), builtin, nemotron3 (the released Nemotron 3 "
+            "template), tokenizer (its template's generation markers), or a template string."]
 
 
 # ------------------------------------------------------------------------------- row checks

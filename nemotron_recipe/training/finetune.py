@@ -162,7 +162,6 @@ class Trainer:
             self._setup_objective()
             if cfg.trainer.compile:
                 self._compile()
-            self.params = [p for p in self.model.parameters() if p.requires_grad]
             self._setup_outputs()
         except BaseException:
             self.checkpointer.release()
@@ -273,6 +272,11 @@ class Trainer:
         """Optimizer and LR schedule; a resumed checkpoint then restores them with the model and sets
         the step to continue from (`step`: the number of optimizer steps done)."""
         self.optimizer = build_optimizer(self.model, self.cfg.optim)
+        # What clipping measures and scales: the parameters the optimizer steps, taken before any forward.
+        # After a forward FSDP leaves the root's and the head's gathered parameters in the model (they are
+        # not resharded after forward), and a forward before the first backward (DPO's precomputed
+        # reference) would leave `model.parameters()` naming those, whose gradients stay None.
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.cfg.trainer.max_steps)
         self.start_step = self.checkpointer.load(self.model, self.optimizer, self.scheduler)
         self.checkpointer.check_space(self.model)

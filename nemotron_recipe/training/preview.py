@@ -106,6 +106,15 @@ def as_json(examples: list[PreviewExample], tok: PreTrainedTokenizerBase, data: 
                       indent=1, ensure_ascii=False)
 
 
+def marked_text(e: PreviewExample, lo: int, hi: int, tok: PreTrainedTokenizerBase, color: bool) -> str:
+    """Tokens [lo, hi) of `e` decoded, trained runs between the marks (and green under `color`)."""
+    body = ""
+    for run, is_trained in e.runs(lo, hi):
+        text = tok.decode(run)
+        body += f"{_GREEN if color else ''}{OPEN}{text}{CLOSE}{_RESET if color else ''}" if is_trained else text
+    return body
+
+
 def as_text(examples: list[PreviewExample], tok: PreTrainedTokenizerBase, data: SFTData, seq_len: int,
             *, color: bool, split: str) -> str:
     lines = [f"{data.formatter}; trained text between {OPEN} and {CLOSE}"]
@@ -116,11 +125,7 @@ def as_text(examples: list[PreviewExample], tok: PreTrainedTokenizerBase, data: 
         for k, (lo, hi) in enumerate(e.documents()):
             if e.document_lengths is not None:
                 lines.append(f"~~~ document {k + 1} of {len(e.document_lengths)} ~~~")
-            body = ""
-            for run, is_trained in e.runs(lo, hi):
-                text = tok.decode(run)
-                body += f"{_GREEN if color else ''}{OPEN}{text}{CLOSE}{_RESET if color else ''}" if is_trained else text
-            lines.append(body)
+            lines.append(marked_text(e, lo, hi, tok, color))
     lines.append("---")
     for s in summaries(data, seq_len):
         share = s["trained_tokens"] / max(s["total_tokens"], 1)
