@@ -10,6 +10,10 @@
 #   bash benchmarks/gpu_check.sh --download   # first, on a machine with network: fills $WHEELS
 #   bash benchmarks/gpu_check.sh --dry-run    # what it would install and run here, nothing done
 #   bash benchmarks/gpu_check.sh              # on the GPU machine, from the repository root
+#   bash benchmarks/gpu_check.sh --pytorch-path   # instead of the tests and the comparison with
+#                     transformers: the PyTorch scan and conv against mamba_ssm's and causal_conv1d's
+#                     kernels (training step of gpu_1b, and the scan alone eager and compiled;
+#                     benchmarks/pytorch_path.py), in its own 400 s
 #
 # --download runs `pip download --only-binary=:all: --python-version 3.12 --no-deps` for the wheels
 # listed in WHEEL_PINS (the versions the CPU install is tested with) and builds antlr4's, which PyPI
@@ -40,7 +44,8 @@ case "${1:-}" in
     "") ;;
     --dry-run) mode=dry ;;
     --download) mode=download ;;
-    *) echo "usage: bash benchmarks/gpu_check.sh [--dry-run | --download]"; exit 2 ;;
+    --pytorch-path) mode=run; pytorch_path=1 ;;
+    *) echo "usage: bash benchmarks/gpu_check.sh [--dry-run | --download | --pytorch-path]"; exit 2 ;;
 esac
 
 if [[ $mode == download ]]; then
@@ -132,6 +137,16 @@ from nemotron_recipe.models.nemotron_v3 import kernels
 print("mamba_ssm SSD kernels:", "used" if kernels.triton_scan_available() else "not usable (PyTorch scan)")
 print("causal_conv1d kernel:", "used" if kernels._cuda_conv() is not None else "not usable (PyTorch conv)")
 PY
+fi
+
+if [[ -n "${pytorch_path:-}" ]]; then
+    step "PyTorch path against the kernels: gpu_1b, bf16"
+    run_logged "$log/pytorch_path" 400 "$PYTHON" -m benchmarks.pytorch_path --preset gpu_1b --dtype bf16 \
+        --batch "${BATCH:-4}" --seq-len "${SEQ_LEN:-2048}" --warmup 2 --steps 5 || status=1
+    printf '\n== summary (%ds, status %d)\n' "$((SECONDS - start))" "$status"
+    cat "$log/kernels"
+    grep -E '^(step |PyTorch path|scan )' "$log/pytorch_path" || echo "pytorch_path: no result (see above)"
+    exit "$status"
 fi
 
 step "tests (GPU readiness, CUDA-marked, parity with transformers)"
