@@ -2,6 +2,7 @@
 
     python -m benchmarks.decode                       # h1024, batches 1 and 8, fp32 and bf16, 128 new tokens
     python -m benchmarks.decode --batches 1 --dtypes bf16 --new-tokens 32 --prompt-len 32
+    python -m benchmarks.decode --device cuda --dtypes bf16 --new-tokens 64 --rounds 1 --no-record
 
 One Hugging Face directory is written from a seeded `transformers.NemotronHForCausalLM` of the
 config; ours loads it with `from_pretrained` and theirs with `AutoModelForCausalLM`, so both run the
@@ -15,7 +16,12 @@ Cache: the bytes of ours after the last step (its tensors) against the formula (
 Mamba2 block the conv window plus the fp32 SSM state, per attention block 2 x kv heads x head_dim x
 length), theirs (every tensor its cache object holds), and the growth of the process's peak resident
 set during our timed generation of the last round above the resident set before it (CPU, Linux),
-which counts the cache together with the prefill's activations and the logits.
+which counts the cache together with the prefill's activations and the logits (on CUDA: the
+allocator's peak during that generation above its start).
+
+Ours runs as `generate` does by default: on CPU its linear layers use weights reordered for oneDNN
+where that pays (`nemotron_recipe/generation/packed.py`); the reordering is part of each call's
+prefill time.
 
 Each run appends its rows to benchmarks/RESULTS.md with the exact command (`--no-record` to skip).
 """
@@ -48,9 +54,16 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def _time(fn) -> tuple[float, float]:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn, device: torch.device) -> tuple[float, float]:
+    _sync(device)
     wall, cpu = time.perf_counter(), time.process_time()
     fn()
+    _sync(device)
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
@@ -94,8 +107,13 @@ def _cache_sizes(ours, theirs, ids: torch.Tensor, new: int) -> tuple[int, int, i
         _tensor_bytes(out.past_key_values)
 
 
-def _peak_growth(fn) -> int | None:
-    """Growth of the peak resident set while `fn` runs, above the resident set before it."""
+def _peak_growth(fn, device: torch.device) -> int | None:
+    """Growth of the peak resident set (CUDA: allocated memory) while `fn` runs, above the start."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        return torch.cuda.max_memory_allocated(device) - before
     if not _reset_hwm():
         fn()
         return None
@@ -108,18 +126,18 @@ def _peak_growth(fn) -> int | None:
 def bench(args, path: Path, dtype_name: str, batch: int) -> str:
     import transformers
 
-    dtype = DTYPES[dtype_name]
-    ours = NemotronHForCausalLM.from_pretrained(str(path)).to(dtype).eval()
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    dtype, device = DTYPES[dtype_name], torch.device(args.device)
+    ours = NemotronHForCausalLM.from_pretrained(str(path)).to(device=device, dtype=dtype).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
     theirs.generation_config.eos_token_id = None
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, ours.config.vocab_size, (batch, args.prompt_len), generator=g)
+    ids = torch.randint(3, ours.config.vocab_size, (batch, args.prompt_len), generator=g).to(device)
     prompts = ids.tolist()
     times = {k: [] for k in ("ours1", "oursN", "theirs1", "theirsN")}
     cpu = {k: [] for k in times}
 
     def times_of(key, fn):
-        wall, proc = _time(fn)
+        wall, proc = _time(fn, device)
         times[key].append(wall)
         cpu[key].append(proc)
 
@@ -131,7 +149,7 @@ def bench(args, path: Path, dtype_name: str, batch: int) -> str:
                             ("oursN", lambda: _ours(ours, prompts, args.new_tokens)),
                             ("theirsN", lambda: _theirs(theirs, ids, args.new_tokens))):
                 if key == "oursN":
-                    growth = _peak_growth(functools.partial(times_of, key, fn))
+                    growth = _peak_growth(functools.partial(times_of, key, fn), device)
                 else:
                     times_of(key, fn)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -141,7 +159,7 @@ def bench(args, path: Path, dtype_name: str, batch: int) -> str:
     cpu_ratio = (med_cpu["theirsN"] - med_cpu["theirs1"]) / max(med_cpu["oursN"] - med_cpu["ours1"], 1e-9)
     ours_cache, formula, theirs_cache = _cache_sizes(ours, theirs, ids, args.new_tokens)
     command = "python -m benchmarks.decode " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    row = (f"| {measured()} | {device_name(torch.device('cpu'))} | {args.preset} | {dtype_name} | "
+    row = (f"| {measured()} | {device_name(device)} | {args.preset} | {dtype_name} | "
            f"{batch} x {args.prompt_len} + {args.new_tokens} | {med['ours1']:.3f} / {med['theirs1']:.3f} | "
            f"{ours_tps:,.1f} | {theirs_tps:,.1f} | {ours_tps / theirs_tps:.2f}x (cpu {cpu_ratio:.2f}x) | "
            f"{_mib(ours_cache)} ({_mib(formula)}) | {_mib(theirs_cache)} | "
@@ -159,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--no-record", dest="record", action="store_false")
     args = p.parse_args(argv)
     import transformers

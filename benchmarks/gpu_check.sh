@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # One-GPU check for an H200 image with torch (CUDA), transformers and peft but none of hydra-core,
 # omegaconf or pytest, and no network: install the missing pure-Python wheels and the
-# project without touching the image's torch, run the tests that exercise CUDA, then time a training
-# step of a 1.1B-parameter model in bf16 against transformers' NemotronH, and print one summary block.
-# Each stage has a time limit; the limits add up to 470 s, inside 8 minutes.
+# project without touching the image's torch, run the tests that exercise CUDA (cached decoding against
+# full recompute among them), time a training step of a 1.1B-parameter model in bf16 against
+# transformers' NemotronH, then greedy decoding of the h1024 model in bf16 against transformers'
+# `generate`, and print one summary block. Each stage has a time limit; the limits add up to 470 s,
+# inside 8 minutes.
 #
 #   bash benchmarks/gpu_check.sh --download   # first, on a machine with network: fills $WHEELS
 #   bash benchmarks/gpu_check.sh --dry-run    # what it would install and run here, nothing done
 #   bash benchmarks/gpu_check.sh              # on the GPU machine, from the repository root
+#   bash benchmarks/gpu_check.sh --pytorch-path   # instead of the tests and the comparison with
+#                     transformers: the PyTorch scan and conv against mamba_ssm's and causal_conv1d's
+#                     kernels (training step of gpu_1b, and the scan alone eager and compiled;
+#                     benchmarks/pytorch_path.py), in its own 400 s
 #
 # --download runs `pip download --only-binary=:all: --python-version 3.12 --no-deps` for the wheels
 # listed in WHEEL_PINS (the versions the CPU install is tested with) and builds antlr4's, which PyPI
@@ -38,7 +44,8 @@ case "${1:-}" in
     "") ;;
     --dry-run) mode=dry ;;
     --download) mode=download ;;
-    *) echo "usage: bash benchmarks/gpu_check.sh [--dry-run | --download]"; exit 2 ;;
+    --pytorch-path) mode=run; pytorch_path=1 ;;
+    *) echo "usage: bash benchmarks/gpu_check.sh [--dry-run | --download | --pytorch-path]"; exit 2 ;;
 esac
 
 if [[ $mode == download ]]; then
@@ -132,13 +139,27 @@ print("causal_conv1d kernel:", "used" if kernels._cuda_conv() is not None else "
 PY
 fi
 
+if [[ -n "${pytorch_path:-}" ]]; then
+    step "PyTorch path against the kernels: gpu_1b, bf16"
+    run_logged "$log/pytorch_path" 400 "$PYTHON" -m benchmarks.pytorch_path --preset gpu_1b --dtype bf16 \
+        --batch "${BATCH:-4}" --seq-len "${SEQ_LEN:-2048}" --warmup 2 --steps 5 || status=1
+    printf '\n== summary (%ds, status %d)\n' "$((SECONDS - start))" "$status"
+    cat "$log/kernels"
+    grep -E '^(step |PyTorch path|scan )' "$log/pytorch_path" || echo "pytorch_path: no result (see above)"
+    exit "$status"
+fi
+
 step "tests (GPU readiness, CUDA-marked, parity with transformers)"
-run_logged "$log/tests" 180 "$PYTHON" -m pytest -q tests/test_gpu_ready.py tests/test_perf.py tests/test_model.py \
-    -k "gpu_ready or cuda or transformers" || status=1
+run_logged "$log/tests" 160 "$PYTHON" -m pytest -q tests/test_gpu_ready.py tests/test_perf.py tests/test_model.py \
+    tests/test_generation.py -k "gpu_ready or cuda or transformers" || status=1
 
 step "throughput: gpu_1b, bf16"
-run_logged "$log/bench" 170 "$PYTHON" -m benchmarks.throughput --preset gpu_1b --dtype bf16 --device cuda \
+run_logged "$log/bench" 150 "$PYTHON" -m benchmarks.throughput --preset gpu_1b --dtype bf16 --device cuda \
     --batch "${BATCH:-4}" --seq-len "${SEQ_LEN:-2048}" --warmup 2 --steps 5 || status=1
+
+step "decode: h1024, bf16, batches 1 and 8"
+run_logged "$log/decode" 40 "$PYTHON" -m benchmarks.decode --device cuda --dtypes bf16 --new-tokens 64 --rounds 1 \
+    --no-record || status=1
 
 if [[ $mode == run ]]; then
     printf '\n== summary (%ds, status %d)\n' "$((SECONDS - start))" "$status"
@@ -146,5 +167,6 @@ if [[ $mode == run ]]; then
     cat "$log/kernels"
     echo "tests: $(grep -E '(passed|failed|error)' "$log/tests" | tail -1)"
     grep -E '^(training step|  ours|theirs|ours/theirs)' "$log/bench" || echo "throughput: no result (see above)"
+    grep -E '^\| .* h1024 \| bf16 \|' "$log/decode" || echo "decode: no result (see above)"
 fi
 exit "$status"

@@ -1,9 +1,12 @@
 """Incremental decoding: the cache against recomputing the whole sequence, sampling, stopping and errors."""
 
+import contextlib
+
 import pytest
 import torch
 
 from nemotron_recipe.generation import DecodeCache, GenerationConfig, GenerationError, cache_bytes, generate
+from nemotron_recipe.generation.packed import packed_linears, packing_available
 from nemotron_recipe.generation.sampling import filter_logits
 from nemotron_recipe.models.nemotron_v3 import NemotronHConfig, NemotronHForCausalLM
 from nemotron_recipe.models.nemotron_v3.lora import LoRASpec, add_adapters, init_adapters
@@ -42,13 +45,7 @@ def test_cached_decoding_equals_full_recompute():
     group-limited routing and unmerged LoRA adapters (non-zero, the routed experts' included): each
     step's logits equal those of recomputing the whole sequences from scratch (padding run as a
     document of its own), within 1e-5, across many chunk boundaries of the scan."""
-    model = _model(moe_latent_size=16)
-    add_adapters(model, LoRASpec(rank=4, alpha=8.0))
-    init_adapters(model, seed=3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("lora_B.weight", ".B")):
-                p.normal_(std=0.05)
+    model = _lora_model()
     ids, valid = _left_padded(_prompts([13, 1, 6]))
     steps = 64
     cache = DecodeCache(valid, ids.shape[1] + steps, len(model.model.layers))
@@ -64,6 +61,87 @@ def test_cached_decoding_equals_full_recompute():
     assert worst <= 1e-5, worst
     assert cache.length == ids.shape[1]
     assert cache.nbytes() == cache_bytes(model.config, 3, cache.capacity, torch.float32)
+
+
+def _lora_model():
+    model = _model(moe_latent_size=16)
+    add_adapters(model, LoRASpec(rank=4, alpha=8.0))
+    init_adapters(model, seed=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("lora_B.weight", ".B")):
+                p.normal_(std=0.05)
+    return model
+
+
+def _worst_step_error(model, prompts, steps: int, decoding=contextlib.nullcontext) -> float:
+    """The largest difference between `steps` cached steps' logits (run inside `decoding()`) and
+    recomputing the whole sequences with the plain model, on the model's device."""
+    device = model.lm_head.weight.device
+    ids, valid = (t.to(device) for t in _left_padded(prompts))
+    cache = DecodeCache(valid, ids.shape[1] + steps, len(model.model.layers))
+    decoded = []
+    with torch.no_grad():
+        with decoding():
+            logits = model(ids, cache=cache).logits[:, -1]
+            for _ in range(steps):
+                decoded.append(logits)
+                logits = model(logits.argmax(-1, keepdim=True), cache=cache).logits[:, -1]
+        worst = 0.0
+        for logits in decoded:
+            full = model(ids, document_ids=valid.long()).logits[:, -1]
+            worst = max(worst, (full - logits).abs().max().item())
+            token = logits.argmax(-1, keepdim=True)
+            ids, valid = torch.cat([ids, token], 1), torch.cat([valid, torch.ones_like(token, dtype=torch.bool)], 1)
+    return worst
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
+def test_reordered_weights_decode_as_the_linears_compute():
+    """Inside `packed_linears` every linear layer (LM head and unmerged LoRA bases included) runs on
+    oneDNN's reordered weights: 16 cached steps give the logits of recomputing the whole sequences
+    with the plain layers (1e-5), `generate` the same greedy ids, and nothing stays patched."""
+    model = _lora_model()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    taken = []
+
+    @contextlib.contextmanager
+    def packed():
+        with packed_linears(model, 3, enabled=True) as n:
+            taken.append(n)
+            yield
+
+    assert _worst_step_error(model, _prompts([13, 1, 6]), 16, packed) <= 1e-5
+    assert taken == [len(linears)] and not any("forward" in vars(m) for m in linears)
+    prompts = _prompts([9, 4, 7])
+    ids_of = [[r.completion_ids for r in generate(model, prompts, GenerationConfig(max_new_tokens=12,
+                                                                                  prepack_weights=pack))]
+              for pack in (True, False)]
+    assert ids_of[0] == ids_of[1]
+    with packed_linears(model, 1) as n:  # fp32 at one row: MKL's GEMV is the faster, nothing is taken
+        assert n == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_cached_decoding_equals_full_recompute():
+    """On the GPU, with mamba_ssm's and causal_conv1d's step kernels where installed (else the PyTorch
+    steps): 24 cached steps against recomputing the whole sequences on the GPU, relative to the
+    logits' scale: 1e-4 on the PyTorch paths, TF32's 2e-2 where mamba_ssm's scan (TF32 products)
+    runs the recompute and the prefill; greedy ids equal the CPU's on the PyTorch paths."""
+    from nemotron_recipe.models.nemotron_v3 import kernels
+
+    model = _lora_model()
+    prompts = _prompts([13, 1, 6])
+    config = GenerationConfig(max_new_tokens=24)
+    on_cpu = [r.completion_ids for r in generate(model, prompts, config)]
+    model.cuda()
+    kernels_run = kernels.triton_scan_available() or kernels._cuda_state_update() is not None
+    with torch.no_grad():
+        scale = model(_left_padded(prompts)[0].cuda()).logits.abs().max().item()
+    worst = _worst_step_error(model, prompts, 24)
+    assert worst <= (2e-2 if kernels_run else 1e-4) * scale, (worst, scale)
+    if not kernels_run:
+        assert [r.completion_ids for r in generate(model, prompts, config)] == on_cpu
 
 
 def test_completion_does_not_depend_on_batch_or_padding():

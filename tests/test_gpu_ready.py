@@ -448,6 +448,8 @@ def test_gpu_check_dry_run_prints_the_plan(tmp_path):
     assert "--no-deps --no-index --find-links /opt/mamba mamba-ssm causal-conv1d" in out
     assert "python3 -m pytest -q tests/test_gpu_ready.py" in out
     assert "python3 -m benchmarks.throughput --preset gpu_1b --dtype bf16 --device cuda" in out
+    assert "tests/test_generation.py -k gpu_ready\\ or\\ cuda\\ or\\ transformers" in out
+    assert "python3 -m benchmarks.decode --device cuda --dtypes bf16" in out
     limits = [int(line.split("(limit ")[1].split("s)")[0]) for line in out.splitlines() if "(limit " in line]
     assert sum(limits) <= 470, limits  # with the CUDA check, inside 8 minutes
     assert " python " not in out and "CUDA" not in proc.stderr  # python3 only, and no GPU asked for

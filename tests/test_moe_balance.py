@@ -145,14 +145,37 @@ def _biases(checkpoint: Path) -> torch.Tensor:
     return torch.stack([b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")])
 
 
-def expert_parallel_run(run_dir: Path, *overrides: str, mesh: tuple[str, ...] = ("mesh.ep=2",)) -> None:
-    """The recipe on 2 ranks (at ep 2 unless `mesh` says otherwise), writing to `run_dir`."""
+WORKER = Path(__file__).resolve().parent / "distributed" / "recipe_worker.py"
+EP_COMMON = [*SHORT, "trainer.max_steps=20", "checkpoint.every=10", "moe.bias_update_rate=0.02"]
+SP_COMMON = [*SHORT, "trainer.max_steps=5", "checkpoint.every=5", "moe.bias_update_rate=0.01", "moe.aux_loss_coeff=0.1"]
+LORA_COMMON = [*SHORT, "trainer.max_steps=3", "peft=lora"]
+
+
+def hf_common(source: Path) -> list[str]:
+    return [*SHORT, "trainer.max_steps=2", f"model.pretrained={source / 'hf'}"]
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory) -> Path:
+    """The 2-rank recipe runs of this module's parity tests, one after another in a single torchrun
+    launch (tests/distributed/recipe_worker.py): one start-up and rendezvous instead of one per test.
+    Each test compares its run with one process's run of the same overrides."""
+    base = tmp_path_factory.mktemp("two_rank")
+    # The Hugging Face checkpoint the ep 2 load reads: exported by a one-process run.
+    run(compose_run(base / "source", *SHORT, "trainer.max_steps=2", "checkpoint.export_hf=true"))
+    jobs = {
+        "ep2_split": [*EP_COMMON, "trainer.stop_at_step=10", PREFLIGHT_ON, "mesh.ep=2"],  # planned at ep 2 too
+        "tp2_sp": [*SP_COMMON, "mesh.tp=2", "mesh.sequence_parallel=true"],
+        "ep2_hf": [*hf_common(base / "source"), "mesh.ep=2"],
+        "ep2_lora": [*LORA_COMMON, "mesh.ep=2"],
+    }
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-         "recipes.finetune", *RUN_BASE, *overrides, *mesh, f"hydra.run.dir={run_dir}"],
-        cwd=run_dir.parent, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
+         json.dumps([[*RUN_BASE, *overrides, f"run_dir={base / name}"] for name, overrides in jobs.items()])],
+        cwd=base, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return base
 
 
 def _skewed_data(path: Path) -> Path:
@@ -205,24 +228,22 @@ def _track_margins(monkeypatch: pytest.MonkeyPatch) -> list[float]:
 
 
 @pytest.mark.distributed
-def test_expert_parallel_run_matches_one_process_and_resumes_on_one(tmp_path, monkeypatch):
+def test_expert_parallel_run_matches_one_process_and_resumes_on_one(tmp_path, monkeypatch, two_rank_runs):
     """10 steps at ep 2 on 2 ranks, then 10 more resumed on one process, against 20 straight steps on
     one process: the same losses, gradient norms and correction biases.
 
     Routing is discrete, so this holds over a horizon in which no token comes within rounding of a tie
     between its k-th and (k+1)-th expert (docs/moe-routing.md): the layouts' router scores differ by up
     to about 2e-6 by step 20, and the one-process run's smallest margin must stay above 1e-5."""
-    common = [*SHORT, "trainer.max_steps=20", "checkpoint.every=10", "moe.bias_update_rate=0.02"]
     margins = _track_margins(monkeypatch)
-    run(compose_run(tmp_path / "straight", *common))
+    run(compose_run(tmp_path / "straight", *EP_COMMON))
     monkeypatch.undo()
     assert min(margins) > 1e-5, (f"a token came within {min(margins):.1e} of a routing tie within the compared "
                                  "steps: layouts may route it differently and part; shorten the horizon or change "
                                  "the data (docs/moe-routing.md)")
-    split = tmp_path / "split"
-    expert_parallel_run(split, *common, "trainer.stop_at_step=10", PREFLIGHT_ON)  # planned at ep 2 too
+    split = two_rank_runs / "ep2_split"  # stopped at step 10 on 2 ranks at ep 2
     assert json.loads((split / "summary.json").read_text())["mesh"]["ep"] == 2
-    resumed = run(compose_run(split, *common))
+    resumed = run(compose_run(split, *EP_COMMON))
     assert resumed["resumed_from"] == 10
 
     got, want = _rows(split), _rows(tmp_path / "straight")
@@ -238,18 +259,15 @@ def test_expert_parallel_run_matches_one_process_and_resumes_on_one(tmp_path, mo
 
 
 @pytest.mark.distributed
-def test_balance_loss_and_bias_updates_under_sequence_parallel_match_one_process(tmp_path):
+def test_balance_loss_and_bias_updates_under_sequence_parallel_match_one_process(tmp_path, two_rank_runs):
     """tp 2 + sequence parallel, where each tp rank routes its own sequence shard: 5 steps with the
     balance loss and bias updates on padded batches give one process's losses, balance losses and biases."""
-    common = [*SHORT, "trainer.max_steps=5", "checkpoint.every=5", "moe.bias_update_rate=0.01",
-              "moe.aux_loss_coeff=0.1"]
-    run(compose_run(tmp_path / "one", *common))
-    expert_parallel_run(tmp_path / "tp2", *common, mesh=("mesh.tp=2", "mesh.sequence_parallel=true"))
-    got, want = _rows(tmp_path / "tp2"), _rows(tmp_path / "one")
+    run(compose_run(tmp_path / "one", *SP_COMMON))
+    got, want = _rows(two_rank_runs / "tp2_sp"), _rows(tmp_path / "one")
     assert all(r["moe_aux_loss"] > 0 for r in want)
     for key in ("loss", "moe_aux_loss", "moe_load_imbalance"):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5), key
-    biases = _biases(tmp_path / "tp2" / "checkpoints" / "step_000005")
+    biases = _biases(two_rank_runs / "tp2_sp" / "checkpoints" / "step_000005")
     assert biases.abs().max() > 0
     torch.testing.assert_close(biases, _biases(tmp_path / "one" / "checkpoints" / "step_000005"), rtol=0, atol=1e-6)
 
@@ -276,23 +294,18 @@ def test_moe_options_that_cannot_apply_are_refused(tmp_path, overrides, needle):
 
 
 @pytest.mark.distributed
-def test_a_hugging_face_checkpoint_loads_under_expert_parallel_with_the_single_process_loss(tmp_path):
+def test_a_hugging_face_checkpoint_loads_under_expert_parallel_with_the_single_process_loss(tmp_path, two_rank_runs):
     """Each rank reads its own experts from the files; the first steps equal one process's."""
-    run(compose_run(tmp_path / "source", *SHORT, "trainer.max_steps=2", "checkpoint.export_hf=true"))
-    common = [*SHORT, "trainer.max_steps=2", f"model.pretrained={tmp_path / 'source' / 'hf'}"]
-    run(compose_run(tmp_path / "one", *common))
-    expert_parallel_run(tmp_path / "ep2", *common)
-    got, want = _rows(tmp_path / "ep2"), _rows(tmp_path / "one")
+    run(compose_run(tmp_path / "one", *hf_common(two_rank_runs / "source")))
+    got, want = _rows(two_rank_runs / "ep2_hf"), _rows(tmp_path / "one")
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-5)
 
 
 @pytest.mark.distributed
-def test_lora_under_expert_parallel_matches_one_process(tmp_path):
+def test_lora_under_expert_parallel_matches_one_process(tmp_path, two_rank_runs):
     """Adapters on the routed experts split by expert with them; the curve is one process's."""
-    common = [*SHORT, "trainer.max_steps=3", "peft=lora"]
-    run(compose_run(tmp_path / "one", *common))
-    expert_parallel_run(tmp_path / "ep2", *common)
-    got, want = _rows(tmp_path / "ep2"), _rows(tmp_path / "one")
+    run(compose_run(tmp_path / "one", *LORA_COMMON))
+    got, want = _rows(two_rank_runs / "ep2_lora"), _rows(tmp_path / "one")
     for key in ("loss", "grad_norm"):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5), key
 

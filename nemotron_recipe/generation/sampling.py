@@ -26,6 +26,9 @@ class GenerationConfig:
     stop_strings: texts that end a completion (needs a tokenizer); the text stops before them.
     batch_size: prompts decoded together.
     max_length: the most positions (prompt plus new tokens) the model may take; None: no limit.
+    prepack_weights: run the linear layers on weights reordered for oneDNN once per call (packed.py),
+        a copy as large as those weights that makes CPU decoding steps faster; None: where it pays
+        (CPU, bf16 at any batch, fp32 from two prompts a batch), True: wherever oneDNN runs, False: never.
     """
 
     max_new_tokens: int = 128
@@ -38,6 +41,7 @@ class GenerationConfig:
     stop_strings: tuple[str, ...] = ()
     batch_size: int = 8
     max_length: int | None = None
+    prepack_weights: bool | None = None
 
     def __post_init__(self) -> None:
         checks = [

@@ -47,7 +47,12 @@ class DecodeCache:
         self.length = 0  # positions already in the cache
         self.valid = torch.zeros(b, capacity, dtype=torch.bool, device=prompt_valid.device)
         self.valid[:, :length] = prompt_valid
+        # Read once here: without padding the decoding steps' attention needs no mask at all.
+        self.padded = not bool(prompt_valid.all())
         self.layers: list[MambaState | AttentionState | None] = [None] * num_layers
+        # Per layer, what its steps derive from the weights (dtype casts, -exp(A_log), ...), made at the
+        # first step: the weights do not change while one cache decodes.
+        self.step_constants: list[tuple | None] = [None] * num_layers
 
     @property
     def batch_size(self) -> int:
@@ -67,9 +72,10 @@ class DecodeCache:
         valid = self.valid[:, :new]
         return None if bool(valid.all()) else valid
 
-    def keys_mask(self, new: int) -> torch.Tensor:
-        """[b, 1, 1, length + new]: the positions a decoding step's queries attend to."""
-        return self.valid[:, None, None, :self.length + new]
+    def keys_mask(self, new: int) -> torch.Tensor | None:
+        """[b, 1, 1, length + new]: the positions a decoding step's queries attend to; None when the
+        prompts had no padding (every cached position is then real)."""
+        return self.valid[:, None, None, :self.length + new] if self.padded else None
 
     def begin_step(self, new: int) -> None:
         """Marks `new` decoded positions real before the model runs them."""

@@ -49,9 +49,10 @@ class CausalConv1dSiLU(torch.autograd.Function):
         ct = torch.float64 if x.dtype == torch.float64 else torch.float32
         w = weight.to(ct)
         masks = _shift_masks(document_ids, k)
-        pre = x.to(ct) * w[:, k - 1]
+        xc = x.to(ct)  # once: each shifted tap would otherwise cast its own copy of x
+        pre = xc * w[:, k - 1]
         for s in range(1, k):
-            shifted = x[:, :-s] if masks[s] is None else x[:, :-s] * masks[s]
+            shifted = xc[:, :-s] if masks[s] is None else xc[:, :-s] * masks[s]
             pre[:, s:].addcmul_(shifted, w[:, k - 1 - s])
         if bias is not None:
             pre += bias.to(ct)
@@ -66,13 +67,14 @@ class CausalConv1dSiLU(torch.autograd.Function):
         w = weight.to(pre.dtype)
         masks = _shift_masks(document_ids, k)
         g = torch.ops.aten.silu_backward(grad_out.to(pre.dtype), pre)
+        xc = x.to(pre.dtype)
         grad_x = g * w[:, k - 1]
         grad_w = torch.empty(weight.shape, dtype=pre.dtype, device=weight.device)
-        grad_w[:, k - 1] = (g * x).sum((0, 1))
+        grad_w[:, k - 1] = (g * xc).sum((0, 1))
         for s in range(1, k):
             g_s = g[:, s:] if masks[s] is None else g[:, s:] * masks[s]
             grad_x[:, :-s].addcmul_(g_s, w[:, k - 1 - s])
-            grad_w[:, k - 1 - s] = (g_s * x[:, :-s]).sum((0, 1))
+            grad_w[:, k - 1 - s] = (g_s * xc[:, :-s]).sum((0, 1))
         grad_b = g.sum((0, 1)).to(weight.dtype) if ctx.has_bias else None
         return grad_x.to(x.dtype), grad_w.to(weight.dtype), grad_b, None
 
@@ -206,13 +208,14 @@ def _scan_block_forward(x, dt, A, B, C, D, q, doc, doc_before, state_in, md):
 
     # Each chunk's state at its end, [b,g,c,r*p,n], then the state entering each chunk (a short
     # recurrence over chunks, states kept group-major: [b,g,r,p,n] is [b,h,p,n]).
-    S = _mm(_group_major(X * w[..., None], g, md).transpose(-1, -2), Bg, md, md).view(b, g, c, r, p, n)
+    # S in fp32: the recurrence adds it to the fp32 state (a bf16 S would be cast chunk by chunk).
+    S = _mm(_group_major(X * w[..., None], g, md).transpose(-1, -2), Bg, md, ct).view(b, g, c, r, p, n)
     decay = gamma.view(b, g, r, c, 1, 1)
     state = state_in.view(b, g, r, p, n)
     P = torch.empty(b, g, c, r, p, n, dtype=md, device=x.device)  # written chunk by chunk, no stack
     for k in range(c):
         P[:, :, k] = state
-        state = torch.addcmul(S[:, :, k], state, decay[:, :, :, k])  # fp32: S is promoted
+        state = torch.addcmul(S[:, :, k], state, decay[:, :, :, k])
     P = P.view(b, g, c, r * p, n)
 
     # The carried-in state read out by C, and the skip term.
@@ -238,19 +241,19 @@ def _scan_block_backward(gy, A, D, saved, grad_state_out):
     Eg = E.view(b, g, r, c, q, 1)
     gs = (gY.view(b, g, r, c, q, p) * Z).sum(-1).mul_(Eg[..., 0]).view(b, h, c, q)  # gradient of the log-decays s
     gZ = _group_major(gY * E[..., None], g, md)  # [b,g,c,q,r*p]
-    gP = _mm(gZ.transpose(-1, -2), Cg, md, md).view(b, g, c, r, p, n)
+    gP = _mm(gZ.transpose(-1, -2), Cg, md, ct).view(b, g, c, r, p, n)  # fp32, as S in forward
     gC = _mm(gZ, P, md, ct)  # [b,g,c,q,n]
 
     # The recurrence P[k+1] = gamma[k] P[k] + S[k], backwards over chunks (carried in fp32).
     decay = gamma.view(b, g, r, c, 1, 1)
     gS = torch.empty(b, g, c, r, p, n, dtype=md, device=xh.device)
-    dots = torch.empty(b, g, c, r, dtype=ct, device=xh.device)  # <gS[k], P[k]>: d/d gamma[k] of gamma[k] P[k]
-    Pk = P.view(b, g, c, r, p, n)
     carried = grad_state_out.view(b, g, r, p, n)
     for k in range(c - 1, -1, -1):
         gS[:, :, k] = carried
-        dots[:, :, k] = (carried * Pk[:, :, k]).sum((-1, -2))  # while both are in cache, in fp32
         carried = torch.addcmul(gP[:, :, k], carried, decay[:, :, :, k])
+    # <gS[k], P[k]> (d/d gamma[k] of gamma[k] P[k]) for every chunk at once, a product of the two
+    # matmul-dtype operands like the others (fp32 with fp32 inputs): no per-chunk cast of P.
+    dots = _mm(gS.view(b, g, c, r, 1, p * n), P.view(b, g, c, r, p * n, 1), md, ct).view(b, g, c, r)
     gs.view(b, g, r, c, q)[..., -1] += dots.transpose(2, 3).mul_(gamma.view(b, g, r, c))
 
     # Chunk states S = (X * w)^T @ B.
@@ -311,21 +314,24 @@ def _scan_forward(
     D: torch.Tensor,
     chunk_size: int,
     document_ids: torch.Tensor | None,
+    out_dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
     """The forward of `SSDChunkScan`: [y, then per block the tensors its backward reads]."""
-    y, saved, _ = _scan_forward_with_state(x, dt, A, B, C, D, chunk_size, document_ids)
+    y, saved, _ = _scan_forward_with_state(x, dt, A, B, C, D, chunk_size, document_ids, out_dtype)
     return [y, *saved]
 
 
-def _scan_forward_with_state(x, dt, A, B, C, D, chunk_size, document_ids):
-    """(y, per block the tensors backward reads, the state after the last step [b,h,p,n])."""
+def _scan_forward_with_state(x, dt, A, B, C, D, chunk_size, document_ids, out_dtype=None):
+    """(y, per block the tensors backward reads, the state after the last step [b,h,p,n]). y is in
+    `out_dtype` (default: the compute dtype): each block's head-major result is written into it
+    once, the layout change and the cast in one pass."""
     b, l, h, p = x.shape
     n = B.shape[3]
     q = chunk_size
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
     md = torch.bfloat16 if x.dtype == torch.bfloat16 else ct
     x, dt, B, C, document_ids = _pad_to_chunks(x, dt, B, C, document_ids, q)
-    y = torch.empty(b, l, h, p, dtype=ct, device=x.device)
+    y = torch.empty(b, l, h, p, dtype=out_dtype or ct, device=x.device)
     state = torch.zeros(b, h, p, n, dtype=ct, device=x.device)
     saved = []
     for start, end in _scan_blocks(b, x.shape[1], q):
@@ -350,10 +356,11 @@ def _scan_forward_op(
     D: torch.Tensor,
     chunk_size: int,
     document_ids: torch.Tensor | None,
+    out_dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
     """`_scan_forward` under an op's contract: no output shares storage with an input (with one head
     or one group the head-major layout of x, dt, B or C can be the input itself; those are copied)."""
-    outputs = _scan_forward(x, dt, A, B, C, D, chunk_size, document_ids)
+    outputs = _scan_forward(x, dt, A, B, C, D, chunk_size, document_ids, out_dtype)
     inputs = {t.untyped_storage()._cdata for t in (x, dt, A, B, C, D, document_ids) if t is not None}
     return [t.clone() if t.untyped_storage()._cdata in inputs else t for t in outputs]
 
@@ -377,17 +384,19 @@ class SSDChunkScan(torch.autograd.Function):
     """`ssd_chunked` as one autograd node (see ssd.py for the algorithm and the shapes).
 
     Computes in fp32 (fp64 for fp64 inputs), block by block of whole chunks (`SCAN_BLOCK_TOKENS`);
-    with bf16 inputs the batched products take bf16 operands (`_mm`). The forward runs as the custom
-    op `ssd_scan_forward` (traced as plain code under torch.compile).
+    with bf16 inputs the batched products take bf16 operands (`_mm`). The output is in `out_dtype`
+    (None: the compute dtype). Gradients are written in their inputs' dtypes as each block's are
+    laid back out, with no fp32 copy of the whole sequence's. The forward runs as the custom op
+    `ssd_scan_forward` (traced as plain code under torch.compile).
     Saved for backward: fp32 copies of x and dt, B and C (in the matmul dtype), the masked decay
     matrices L [b,h,c,q,q] and C.B [b,g,c,q,q], and the states entering each chunk (in the matmul
     dtype); everything else is recomputed.
     """
 
     @staticmethod
-    def forward(ctx, x, dt, A, B, C, D, chunk_size, document_ids):
+    def forward(ctx, x, dt, A, B, C, D, chunk_size, document_ids, out_dtype=None):
         scan = _scan_forward if torch.compiler.is_compiling() else torch.ops.nemotron_recipe.ssd_scan_forward
-        y, *saved = scan(x, dt, A, B, C, D, chunk_size, document_ids)
+        y, *saved = scan(x, dt, A, B, C, D, chunk_size, document_ids, out_dtype)
         b, l, h, p = x.shape
         total = l + (-l) % chunk_size
         ctx.bounds = _scan_blocks(b, total, chunk_size)
@@ -403,13 +412,13 @@ class SSDChunkScan(torch.autograd.Function):
         blocks = [flat[i:i + per_block] for i in range(0, len(flat), per_block)]
         b, l, total, h, p, g, n = ctx.shape
         ct = blocks[0][0].dtype
-        grad_y = grad_y.to(ct)
-        if total > l:
+        x_dtype, dt_dtype, B_dtype, C_dtype = ctx.dtypes
+        if total > l:  # (each block's head-major layout casts grad_y to fp32)
             grad_y = F.pad(grad_y, (0, 0, 0, 0, 0, total - l))
-        gx = torch.empty(b, total, h, p, dtype=ct, device=grad_y.device)
-        gdt = torch.empty(b, total, h, dtype=ct, device=grad_y.device)
-        gB = torch.empty(b, total, g, n, dtype=ct, device=grad_y.device)
-        gC = torch.empty_like(gB)
+        gx = torch.empty(b, total, h, p, dtype=x_dtype, device=grad_y.device)
+        gdt = torch.empty(b, total, h, dtype=dt_dtype, device=grad_y.device)
+        gB = torch.empty(b, total, g, n, dtype=B_dtype, device=grad_y.device)
+        gC = torch.empty(b, total, g, n, dtype=C_dtype, device=grad_y.device)
         gA = torch.zeros(h, dtype=ct, device=grad_y.device)
         gD = torch.zeros(h, dtype=ct, device=grad_y.device)
         carried = torch.zeros(b, h, p, n, dtype=ct, device=grad_y.device)
@@ -418,9 +427,7 @@ class SSDChunkScan(torch.autograd.Function):
             gx[:, start:end], gdt[:, start:end], gB[:, start:end], gC[:, start:end] = bx, bdt, bB, bC
             gA += bA
             gD += bD
-        x_dtype, dt_dtype, B_dtype, C_dtype = ctx.dtypes
-        return (gx[:, :l].to(x_dtype), gdt[:, :l].to(dt_dtype), gA.to(A.dtype), gB[:, :l].to(B_dtype),
-                gC[:, :l].to(C_dtype), gD.to(D.dtype), None, None)
+        return gx[:, :l], gdt[:, :l], gA.to(A.dtype), gB[:, :l], gC[:, :l], gD.to(D.dtype), None, None, None
 
 
 @functools.cache
@@ -431,6 +438,22 @@ def _triton_scan():
 def triton_scan_available() -> bool:
     """Whether `mamba_ssm`'s Triton SSD kernels can be used (installed and a GPU visible)."""
     return torch.cuda.is_available() and _triton_scan() is not None
+
+
+# The PyTorch scan's chunk length by device type, at most the model's `chunk_size` (None: the
+# default, `cpu_chunk_size` on CPU and the model's own elsewhere). The result does not depend on it
+# (up to rounding); set it to tune a device: `benchmarks.profile_step --scan-chunk` measures one.
+SCAN_CHUNK_SIZE: dict[str, int | None] = {}
+
+
+def scan_chunk_size(x: torch.Tensor, B: torch.Tensor, chunk_size: int) -> int:
+    """The chunk length the PyTorch scan of x [b,l,h,p], B [b,l,g,n] runs with on x's device."""
+    tuned = SCAN_CHUNK_SIZE.get(x.device.type)
+    if tuned is not None:
+        return max(1, min(int(tuned), chunk_size))
+    if x.device.type == "cpu":
+        return cpu_chunk_size(chunk_size, x.shape[-1], B.shape[-1])
+    return chunk_size
 
 
 def cpu_chunk_size(chunk_size: int, head_dim: int, state_size: int) -> int:
@@ -450,15 +473,24 @@ def ssd_scan(
     D: torch.Tensor,
     chunk_size: int,
     document_ids: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`ssd_chunked`'s contract (dt already discretized): the Triton kernels on CUDA when installed
-    (output in x's dtype), else `SSDChunkScan` (fp32 output)."""
-    if x.is_cuda and _triton_scan() is not None:
-        seq_idx = None if document_ids is None else document_ids.to(torch.int32).contiguous()
-        return _triton_scan()(x, dt, A, B, C, chunk_size, D=D, seq_idx=seq_idx)
-    if x.device.type == "cpu":
-        chunk_size = cpu_chunk_size(chunk_size, x.shape[-1], B.shape[-1])
-    return SSDChunkScan.apply(x, dt, A, B, C, D, chunk_size, document_ids)
+    (output in x's dtype), else `SSDChunkScan` (output in `out_dtype`, default fp32; a caller that
+    casts the result anyway saves a pass by naming its dtype here)."""
+    triton = _triton_scan_call(x, document_ids)
+    if triton is not None:
+        return triton(x, dt, A, B, C, chunk_size, D=D)
+    return SSDChunkScan.apply(x, dt, A, B, C, D, scan_chunk_size(x, B, chunk_size), document_ids, out_dtype)
+
+
+def _triton_scan_call(x: torch.Tensor, document_ids: torch.Tensor | None):
+    """`mamba_chunk_scan_combined` with the packed documents bound as its `seq_idx` (int32, as the
+    kernels take them) when it runs here (x on CUDA, mamba_ssm installed), else None."""
+    if not (x.is_cuda and _triton_scan() is not None):
+        return None
+    seq_idx = None if document_ids is None else document_ids.to(torch.int32).contiguous()
+    return functools.partial(_triton_scan(), seq_idx=seq_idx)
 
 
 # ---------------------------------------------------------------------------------------- decoding
@@ -474,13 +506,11 @@ def ssd_scan_final_state(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`ssd_scan` without autograd, also returning the state after the last step [b,h,p,n] in fp32:
     the prefill of incremental decoding. With `document_ids` the state is the last document's alone."""
-    if x.is_cuda and _triton_scan() is not None:
-        seq_idx = None if document_ids is None else document_ids.to(torch.int32).contiguous()
-        y, state = _triton_scan()(x, dt, A, B, C, chunk_size, D=D, seq_idx=seq_idx, return_final_states=True)
+    triton = _triton_scan_call(x, document_ids)
+    if triton is not None:
+        y, state = triton(x, dt, A, B, C, chunk_size, D=D, return_final_states=True)
         return y, state.float()
-    if x.device.type == "cpu":
-        chunk_size = cpu_chunk_size(chunk_size, x.shape[-1], B.shape[-1])
-    y, _, state = _scan_forward_with_state(x, dt, A, B, C, D, chunk_size, document_ids)
+    y, _, state = _scan_forward_with_state(x, dt, A, B, C, D, scan_chunk_size(x, B, chunk_size), document_ids)
     return y, state.float()
 
 
@@ -494,16 +524,24 @@ def _cuda_state_update():
     return _optional_kernel("mamba_ssm.ops.triton.selective_state_update", "selective_state_update")
 
 
+def conv_step_weights(weight: torch.Tensor, bias: torch.Tensor | None,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The conv's weight [C, 1, K] and bias as `conv_step_silu` takes them: [C, K] and [C], in the
+    inputs' dtype first, as the whole-sequence conv takes them (`causal_conv1d_silu`)."""
+    weight = weight.reshape(weight.shape[0], -1).to(dtype).contiguous()
+    return weight, None if bias is None else bias.to(dtype)
+
+
 def conv_step_silu(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
     """One decoding step of silu(causal depthwise conv): x [b, C] the new input, `window` [b, C, K]
-    the last K inputs (oldest first), shifted in place to end with x. Returns [b, C] in x's dtype.
-    `causal_conv1d_update` on CUDA when installed, else `ops.causal_conv1d_step`."""
+    the last K inputs (oldest first), shifted in place to end with x; weight [C, K] and bias [C] from
+    `conv_step_weights`. Returns [b, C] in x's dtype. `causal_conv1d_update` on CUDA when installed,
+    else `ops.causal_conv1d_step`."""
     from .ops import causal_conv1d_step  # ops holds the plain reference, as for the whole-sequence conv
 
-    # In x's dtype first, as the whole-sequence conv takes them (`causal_conv1d_silu`).
-    weight = weight.reshape(weight.shape[0], -1).to(x.dtype).contiguous()
-    bias = None if bias is None else bias.to(x.dtype)
+    if weight.dim() == 3 or weight.dtype != x.dtype:
+        weight, bias = conv_step_weights(weight, bias, x.dtype)
     if x.device.type in _KERNEL_DEVICES and _cuda_conv_update() is not None:
         return _cuda_conv_update()(x, window, weight, bias, activation="silu")
     return F.silu(causal_conv1d_step(x, window, weight, bias)).to(x.dtype)

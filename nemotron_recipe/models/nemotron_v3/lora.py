@@ -107,6 +107,10 @@ class LoRALinear(nn.Linear):
             out = fp8_base.linear(x, self.weight, fp8_base.scale_of(self, "weight"), self.bias)
         else:
             out = F.linear(x, self.weight, self.bias)
+        return self.with_adapter(x, out)
+
+    def with_adapter(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out`, the base projection of `x`, plus the adapter's update (decoding computes the base its own way)."""
         if self.adapter_off:
             return out
         low = self.lora_A(self.lora_dropout(x.to(self.lora_A.weight.dtype)))

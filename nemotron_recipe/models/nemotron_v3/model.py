@@ -33,6 +33,7 @@ from .context_parallel import context_parallel_attention, context_parallel_conv_
 from .kernels import (
     causal_conv1d_silu,
     conv_step_silu,
+    conv_step_weights,
     linear_cross_entropy_sum,
     ssd_scan,
     ssd_scan_final_state,
@@ -42,6 +43,7 @@ from .mtp import shift_for_mtp
 from .ops import attention, causal_attention, causal_conv1d
 from . import fp8_base
 from .nf4 import experts_matmul_nf4
+from .norms import gated_group_rms_norm, rms_norm
 from .ssd import discretize_dt, ssd_chunked
 
 if TYPE_CHECKING:  # the parallelizer sets the mixers' group
@@ -78,7 +80,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    fused = True  # one autograd node (norms.py); False runs the plain composition below
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and (out := rms_norm(x, self.weight, self.eps)) is not None:
+            return out
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * h).to(x.dtype)
@@ -93,7 +99,11 @@ class GatedGroupRMSNorm(nn.Module):
         self.group_size = group_size
         self.eps = eps
 
+    fused = True  # one autograd node (norms.py); False runs the plain composition below
+
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if self.fused and (out := gated_group_rms_norm(y, z, local(self.weight), self.group_size, self.eps)) is not None:
+            return out
         dtype = y.dtype
         h = y.float() * F.silu(z.float())
         h = h.unflatten(-1, (-1, self.group_size))
@@ -176,9 +186,11 @@ class Mamba2Mixer(_KeepFP32, nn.Module):
         x, B, C = xbc.unflatten(-1, (g, -1)).split([r * self.head_dim, self.state_size, self.state_size], dim=-1)
 
         dt = discretize_dt(dt.flatten(2), dt_bias, self.dt_min)
-        scan = ssd_scan if self.fast_ops else ssd_chunked
-        y = scan(x.unflatten(-1, (r, self.head_dim)).flatten(2, 3), dt, -torch.exp(A_log.float()), B, C,
-                 D, self.chunk_size, document_ids)
+        x = x.unflatten(-1, (r, self.head_dim)).flatten(2, 3)
+        if self.fast_ops:  # the scan writes its result in the model's dtype: no fp32 copy to cast
+            y = ssd_scan(x, dt, -torch.exp(A_log.float()), B, C, D, self.chunk_size, document_ids, xbc.dtype)
+        else:
+            y = ssd_chunked(x, dt, -torch.exp(A_log.float()), B, C, D, self.chunk_size, document_ids)
         return y.to(xbc.dtype).unflatten(2, (g, r)).flatten(-2)
 
     def _ssm_params(self):
@@ -209,12 +221,16 @@ class Mamba2Mixer(_KeepFP32, nn.Module):
         """One new token per row: xbc [b,1,g,r*p+2n], dt [b,1,g,r] -> y [b,1,g,r*p]."""
         b, _, g = xbc.shape[:3]
         r = dt.shape[-1]
-        weight, bias, A_log, D, dt_bias = self._ssm_params()
+        if cache.step_constants[layer] is None:
+            weight, bias, A_log, D, dt_bias = self._ssm_params()
+            cache.step_constants[layer] = (*conv_step_weights(weight, bias, xbc.dtype), -torch.exp(A_log.float()),
+                                           D.float(), dt_bias.float())
+        weight, bias, A, D, dt_bias = cache.step_constants[layer]
         state = cache.layers[layer]
         xbc = conv_step_silu(xbc.flatten(1), state.conv, weight, bias)
         x, B, C = xbc.unflatten(-1, (g, -1)).split([r * self.head_dim, self.state_size, self.state_size], dim=-1)
         dt = discretize_dt(dt.flatten(1), dt_bias, self.dt_min)
-        y = ssm_step(state.ssm, x.reshape(b, g * r, self.head_dim), dt, -torch.exp(A_log.float()), B, C, D)
+        y = ssm_step(state.ssm, x.reshape(b, g * r, self.head_dim), dt, A, B, C, D)
         return y.to(xbc.dtype).view(b, 1, g, r * self.head_dim)
 
 
@@ -258,7 +274,10 @@ class Attention(nn.Module):
         if not cache.prefilled:  # padding is a document of its own, which no real query sees
             return causal_attention(q, k, v, cache.document_ids(new))
         keys, values = kv.key[:, :, :start + new], kv.value[:, :, :start + new]
-        return attention(q, keys, values, cache.keys_mask(new))
+        mask = cache.keys_mask(new)
+        if mask is None:  # every cached position is real: one query row sees them all, no mask to build
+            return F.scaled_dot_product_attention(q, keys, values, enable_gqa=keys.shape[1] != q.shape[1])
+        return attention(q, keys, values, mask)
 
 
 

@@ -144,16 +144,17 @@ def ssd_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Te
     """One step of the recurrence, for decoding: `state` [b,h,p,n] (fp32) updated in place, x [b,h,p],
     dt [b,h] (discretized), A [h], B/C [b,g,n], D [h] -> y [b,h,p] in fp32.
 
-    Per group, the heads' rows of the state ([r*p, n]) share B and C: the update is one rank-1
-    `baddbmm` and the read-out one matrix-vector product, with no [b,h,p,n] temporary."""
+    Per group, the heads' rows of the state ([r*p, n]) share B and C: the update is one in-place
+    rank-1 `addcmul_` and the read-out one vector-matrix product, with no [b,h,p,n] temporary. The
+    read-out multiplies C [1, n] by the rows transposed: CPU's bmm of the rows by a column C [n, 1]
+    is many times slower (benchmarks/decode.py's model: 7.7 ms against 0.13 ms at batch 8)."""
     b, h, p = x.shape
     g, n = B.shape[1], B.shape[2]
     x, dt = x.float(), dt.float()
+    state.mul_(torch.exp(dt * A.float())[..., None, None])  # decay, per (row, head)
     rows = state.view(b * g, (h // g) * p, n)
-    decay = torch.exp(dt * A.float())  # [b,h]
-    rows.mul_(decay[..., None].expand(b, h, p).reshape(b * g, -1, 1))
-    rows.baddbmm_((x * dt[..., None]).view(b * g, -1, 1), B.float().view(b * g, 1, n))
-    y = torch.bmm(rows, C.float().view(b * g, n, 1)).view(b, h, p)
+    rows.addcmul_((x * dt[..., None]).view(b * g, -1, 1), B.float().view(b * g, 1, n))
+    y = torch.bmm(C.float().view(b * g, 1, n), rows.transpose(1, 2)).view(b, h, p)
     return y + x * D.float()[:, None]
 
 

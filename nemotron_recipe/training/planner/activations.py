@@ -19,17 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-from torch.distributed._tools.fsdp2_mem_tracker import (
-    FSDPMemTracker,
-    _FSDPModState,
-    _FSDPRefType,
-)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemotron_recipe.distributed import tensor_parallel
@@ -40,10 +37,10 @@ from nemotron_recipe.training.loss import forward_loss_sums
 from .state import module_state
 from .world import Trainability, sharded_meta_model
 
+if TYPE_CHECKING:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
 _aten = torch.ops.aten
-# What the tracker counts that a step does not add: the sharded parameters and optimizer state (the
-# planner counts them from the model itself) and the input ids.
-_NOT_STEP = (_FSDPRefType.SHARDED_PARAM, _FSDPRefType.BUFFER, _FSDPRefType.OPT, _FSDPRefType.INP)
 # The model's dispatcher ops whose insides allocate: traced through their Python code.
 _OPAQUE_OPS = {torch.ops.nemotron_recipe.ssd_scan_forward.default: kernels._scan_forward_op}
 # Blocks up to this many are traced whole; longer models are traced reduced and extrapolated.
@@ -152,8 +149,25 @@ def _shard_offsets_from_the_real_mesh():
         tensor_parallel.compute_local_shape_and_global_offset = original
 
 
+@functools.cache
+def _tracking():
+    """torch's FSDP memory tracker module, imported on the first trace: it pulls in all of
+    torch.distributed._tools, start-up time that a launch with the pre-flight off never uses."""
+    from torch.distributed._tools import fsdp2_mem_tracker
+
+    return fsdp2_mem_tracker
+
+
+@functools.cache
+def _not_step() -> tuple:
+    """What the tracker counts that a step does not add: the sharded parameters and optimizer state
+    (the planner counts them from the model itself) and the input ids."""
+    ref = _tracking()._FSDPRefType
+    return ref.SHARDED_PARAM, ref.BUFFER, ref.OPT, ref.INP
+
+
 def _working(snapshot: dict) -> int:
-    return sum(v for k, v in snapshot.items() if k != "Total" and k not in _NOT_STEP)
+    return sum(v for k, v in snapshot.items() if k != "Total" and k not in _not_step())
 
 
 def _held(snapshot: dict) -> int:
@@ -161,7 +175,7 @@ def _held(snapshot: dict) -> int:
     unit gathers, so a block's forward ends holding its experts' (or its own) buffer, which the next
     block frees. Counted as kept, that one buffer per block would be multiplied by every block of the
     kind in the extrapolation (its experts' gathered weights under expert parallel with ep_shard > 1)."""
-    return _working(snapshot) - snapshot.get(_FSDPRefType.ALL_GATHER, 0)
+    return _working(snapshot) - snapshot.get(_tracking()._FSDPRefType.ALL_GATHER, 0)
 
 
 def _module_peak(tracker: FSDPMemTracker, module: nn.Module, device: torch.device) -> int:
@@ -169,7 +183,8 @@ def _module_peak(tracker: FSDPMemTracker, module: nn.Module, device: torch.devic
     stats = tracker.memory_tracking.get(module)
     if stats is None:
         return 0
-    return max((_working(snap[device]) for state in (_FSDPModState.PEAK_FW, _FSDPModState.PEAK_BW)
+    peaks = (_tracking()._FSDPModState.PEAK_FW, _tracking()._FSDPModState.PEAK_BW)
+    return max((_working(snap[device]) for state in peaks
                 for snap in stats.snapshots.get(state, []) if device in snap), default=0)
 
 
@@ -177,7 +192,7 @@ def _run_step(model: nn.Module, ids_shape: tuple[int, int], work: Workload, devi
     """One traced forward + backward on fake storage; returns the tracker and each block's kept bytes."""
     model.to_empty(device=device)
     ids = torch.zeros(ids_shape, dtype=torch.long)
-    tracker = FSDPMemTracker(model)
+    tracker = _tracking().FSDPMemTracker(model)
     kept: list[list[int]] = []
     handles = []
     for block in model.model.layers:
@@ -221,7 +236,7 @@ def trace(config: NemotronHConfig, plan: ParallelPlan, meshes: ParallelMeshes, w
         excess = tuple(_module_peak(tracker, b, device) - sum(kept[:i]) - sum(grads[i + 1:])
                        for i, b in enumerate(blocks))
         head = _module_peak(tracker, model.lm_head, device) - sum(kept)
-    return ActivationTrace(peak=_working(snapshot), grads_at_peak=snapshot.get(_FSDPRefType.SHARDED_GRAD, 0),
+    return ActivationTrace(peak=_working(snapshot), grads_at_peak=snapshot.get(_tracking()._FSDPRefType.SHARDED_GRAD, 0),
                            pattern=config.pattern, kept=tuple(kept), grads=grads, excess=excess, head_excess=head)
 
 

@@ -1,0 +1,84 @@
+"""Linear weights reordered once per `generate` call for oneDNN's CPU matmul, used by every step.
+
+A decoding step multiplies a handful of rows (the batch) by each weight: the time goes to reading the
+weights, and how fast a kernel streams them decides the step. On CPU, oneDNN's linear with its
+weight reordered ahead of time (the layout inductor's weight prepacking uses) reads bf16 weights at
+about three times the speed of `F.linear`, and fp32 weights at several rows about three times as
+fast as MKL's GEMM, while MKL stays the faster for fp32 at one row (benchmarks/decode.py measures the
+effect on whole generations). The reordered copies exist only inside `packed_linears`; they cost as
+many bytes as the weights they mirror, so `GenerationConfig.prepack_weights=False` turns them off.
+
+Every plain `nn.Linear` of the model (the LM head and the bases of unmerged LoRA projections
+included, the adapters running as before) is taken whose weight is an ordinary CPU tensor in fp32 or
+bf16; sharded (DTensor) and NF4 weights keep their own path. The results equal `F.linear`'s up to
+the order of the fp32 sums.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from nemotron_recipe.models.nemotron_v3.lora import LoRALinear, LoRALMHead
+from nemotron_recipe.models.nemotron_v3.model import LMHead
+
+
+def packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def packing_pays(device: torch.device, dtype: torch.dtype, batch: int) -> bool:
+    """Whether reordered weights beat `F.linear` for decoding `batch` rows: on CPU, bf16 at any batch
+    and fp32 from two rows (MKL's single-row fp32 GEMV is the faster there)."""
+    if device.type != "cpu" or not packing_available():
+        return False
+    return dtype == torch.bfloat16 or (dtype == torch.float32 and batch >= 2)
+
+
+# The forwards whose matmul this replaces; a subclass with a forward of its own is left alone.
+_FORWARDS = (nn.Linear.forward, LMHead.forward, LoRALinear.forward, LoRALMHead.forward)
+
+
+def _packable(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (isinstance(module, nn.Linear) and type(module).forward in _FORWARDS
+            and isinstance(weight, torch.Tensor) and type(weight.data) is torch.Tensor
+            and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16))
+
+
+def _packed_forward(module: nn.Linear, packed: torch.Tensor):
+    bias = module.bias
+    lora = isinstance(module, LoRALinear)
+
+    def forward(x: torch.Tensor, targets: torch.Tensor | None = None, chunk_size: int = 0) -> torch.Tensor:
+        if targets is not None or x.dtype != packed.dtype or torch.is_grad_enabled():
+            # Anything but an inference matmul of matching dtype: the module's own path.
+            return type(module).forward(module, x, *(() if targets is None else (targets, chunk_size)))
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
+        return module.with_adapter(x, out) if lora else out
+
+    return forward
+
+
+@contextlib.contextmanager
+def packed_linears(model: nn.Module, batch: int, enabled: bool | None = None) -> Iterator[int]:
+    """Inside: the model's linear layers run on weights reordered for `batch` rows (see the module
+    docstring); yields how many were taken. `enabled` None decides by `packing_pays` on the LM head's
+    device and dtype; False takes none; True takes every one it can (none where oneDNN is missing)."""
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    if enabled is None:
+        enabled = weight is not None and packing_pays(weight.device, weight.dtype, batch)
+    taken = [m for m in model.modules() if _packable(m)] if enabled and packing_available() else []
+    try:
+        with torch.no_grad():
+            for m in taken:
+                m.forward = _packed_forward(m, torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), batch))
+        yield len(taken)
+    finally:
+        for m in taken:
+            m.__dict__.pop("forward", None)
