@@ -46,6 +46,9 @@ TWO_RANK = {  # name: (overrides, plant)
     "interleaved": (["mesh=pp2", "mesh.pp_schedule=interleaved_1f1b", "mesh.pp_virtual_stages=2", *EVAL,
                      "checkpoint.export_hf=true", *SAMPLES], None),
     "gpipe_mtp_lora": (["mesh=pp2", "mesh.pp_schedule=gpipe", *MTP_LORA], None),
+    # Zero bubble: four stages in a V on two ranks (rank 0 holds stages 0 and 3), each backward split
+    # into an input-gradient and a weight-gradient pass.
+    "zbv": (["mesh=pp2", "mesh.pp_schedule=zbv", "mesh.pp_virtual_stages=2", *SAMPLES], None),
     "drop_block": (["mesh=pp2", "trainer.max_steps=2", "checkpoint.every=0", *SAMPLES], "drop_block"),
     "no_normaliser": (["mesh=pp2", "trainer.max_steps=2", "checkpoint.every=0"], "no_normaliser"),
     "nan_first_stage": (["mesh=pp2", "trainer.max_steps=3", "checkpoint.every=0", "trainer.nonfinite=skip"],
@@ -112,7 +115,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["pp2", "interleaved", "gpipe_mtp_lora", "pp2_fsdp2", "pp2_tp2_sp", "pp2_ep2"])
+@pytest.mark.parametrize("name", ["pp2", "interleaved", "gpipe_mtp_lora", "zbv", "pp2_fsdp2", "pp2_tp2_sp", "pp2_ep2"])
 def test_pipeline_matches_one_process(runs, name):
     ref = train_rows(runs / ("ref_mtp_lora" if "mtp" in name else "ref"))
     rows = train_rows(runs / name)
@@ -209,9 +212,10 @@ def test_export_from_a_pipeline_checkpoint(runs, tmp_path, name, ref):
 def test_pipeline_refuses_what_it_cannot_run(tmp_path):
     assert pipeline_problems(compose_run(tmp_path, *BASE, "mesh=pp2")) == []
     assert pipeline_problems(compose_run(tmp_path, *BASE, "mesh=pp2", *SAMPLES)) == []  # samples run under pp
+    assert pipeline_problems(compose_run(tmp_path, *BASE, "mesh=pp2", "mesh.pp_schedule=zbv",
+                                         "mesh.pp_virtual_stages=2")) == []
     for overrides, field in ((["objective=dpo"], "objective.name=dpo"),
-                             (["trainer.compile=true"], "trainer.compile=true"),
-                             (["mesh.pp_schedule=zbv", "mesh.pp_virtual_stages=2"], "mesh.pp_schedule=zbv")):
+                             (["trainer.compile=true"], "trainer.compile=true")):
         problems = pipeline_problems(compose_run(tmp_path, *BASE, "mesh=pp2", *overrides))
         assert len(problems) == 1 and problems[0].startswith(field) and "Fix:" in problems[0], problems
         assert pipeline_problems(compose_run(tmp_path, *BASE, *overrides)) == []  # without a pipeline: fine

@@ -12,11 +12,6 @@ def pipeline_problems(cfg: Any) -> list[str]:
     if pp <= 1:
         return []
     problems = []
-    if getattr(cfg.mesh, "pp_schedule", "1f1b") == "zbv":
-        problems.append(f"mesh.pp_schedule=zbv with mesh.pp={pp}: torch 2.13's zero-bubble schedule splits each "
-                        "stage's backward into input and weight passes, which fails on these stages (the input pass "
-                        "cannot free the loss's graph). Fix: mesh.pp_schedule=interleaved_1f1b with "
-                        "mesh.pp_virtual_stages=2 (or 1f1b / gpipe).")
     if cfg.objective.name != "sft":
         problems.append(f"objective.name={cfg.objective.name} with mesh.pp={pp}: a pipeline trains the sft objective "
                         "only (a preference pair's log-probs need the whole sequence on one stage). Fix: "

@@ -1,10 +1,11 @@
 """One rank's share of a pipeline: which stages it runs, the model cut into them, and their schedule.
 
 `Pipeline` is built once from the run's settings and meshes. `parallelize` cuts the full model at the
-split's stage starts, keeps this rank's stages (one, or under interleaved 1F1B stages r, r + pp, ...),
-applies the model's parallelizer to each as to a model, and returns them as one
-`PipelineParts`, which the trainer holds as its model. `schedule` then gives the step's schedule, and
-`next_tokens` a decoding step through it (the samples' forward).
+split's stage starts, keeps this rank's stages (one; under interleaved 1F1B stages r, r + pp, ...;
+under zbv stages r and 2 x pp - 1 - r, in a V: `pipeline_layout.stage_rank`), applies the model's
+parallelizer to each as to a model, and returns them as one `PipelineParts`, which the trainer holds
+as its model. `schedule` then gives the step's schedule, and `next_tokens` a decoding step through it
+(the samples' forward).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from nemotron_recipe.distributed.pipeline_layout import stage_rank
 from nemotron_recipe.distributed.plan import ParallelMeshes, ParallelPlan
@@ -30,6 +32,22 @@ from nemotron_recipe.training.pipeline.stages import (
 )
 
 log = logging.getLogger(__name__)
+
+
+# Schedules whose backward is split into an input-gradient pass and a later weight-gradient pass.
+SPLIT_BACKWARD = ("zbv",)
+
+
+def _keep_gathered_for_weight_pass(stage: torch.nn.Module) -> None:
+    """Keeps every FSDP unit of `stage` gathered from its forward to the end of the step's backward.
+
+    torch's weight-gradient pass (`stage_backward_weight`) finds a stage's weights in the autograd graph
+    through `stage.parameters()`, read when the input-gradient pass runs: a unit resharded after its
+    forward then lists its sharded parameters, which are not the graph's, and its weight gradients are
+    silently dropped. Gathered, they are the graph's own; the schedule reshards them once the step's
+    gradients are reduced."""
+    if isinstance(stage, FSDPModule):
+        stage.set_reshard_after_forward(False, recurse=True)
 
 
 class Pipeline:
@@ -58,6 +76,9 @@ class Pipeline:
         """The full model cut into this rank's stages, each parallelized by `parallelize_stage(stage)`."""
         stages = cut_stages(model, self.starts, self.local, self.inputs)
         stages = [parallelize_stage(stage) for stage in stages]
+        if self.schedule_name in SPLIT_BACKWARD:
+            for stage in stages:
+                _keep_gathered_for_weight_pass(stage)
         self.parts = PipelineParts(model, stages)
         log.info("pipeline: rank %d of %d runs stage(s) %s: blocks %s", self.pp_rank, self.plan.pp, self.local,
                  [f"{s.blocks.start}..{s.blocks.stop - 1}" for s in stages])

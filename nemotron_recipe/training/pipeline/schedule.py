@@ -5,9 +5,9 @@ back each micro-batch's loss sums, whatever runs them:
 - `MicroBatchLoop`, the one-stage schedule: each micro-batch's forward and backward in turn on this
   rank's whole model (the objective's `forward_backward`);
 - `PipelineSchedule`: the micro-batches flow through the pipeline's stages under one of
-  `torch.distributed.pipelining`'s schedules (`SCHEDULES`: GPipe, 1F1B, interleaved 1F1B); the last stage computes the losses, which
-  are then handed to every stage so that metrics, the non-finite guard and the step's sums read alike
-  on every rank.
+  `torch.distributed.pipelining`'s schedules (`SCHEDULES`: GPipe, 1F1B, interleaved 1F1B, zero-bubble V);
+  the last stage computes the losses, which are then handed to every stage so that metrics, the
+  non-finite guard and the step's sums read alike on every rank.
 
 The pipeline's stages are built for static shapes: every micro-batch is padded to `trainer.seq_len`
 (padding is never trained on and the model is causal, so the losses are unchanged). Each schedule object
@@ -28,6 +28,7 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
 )
 
 from nemotron_recipe.training.loss import IGNORE_INDEX
@@ -37,13 +38,13 @@ from nemotron_recipe.training.pipeline.stages import (
     StageInputs,
 )
 
-# `zbv` (ScheduleZBVZeroBubble) is refused before the run (training.pipeline.limits).
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zbv": ScheduleZBVZeroBubble,
 }
-MULTI_STAGE = ("interleaved_1f1b",)
+MULTI_STAGE = ("interleaved_1f1b", "zbv")
 
 
 class MicroBatchLoop:
@@ -97,8 +98,10 @@ class StageShapes:
 
 
 def _objective_share(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The schedule's loss: the last stage's output already holds the micro-batch's normalised share."""
-    return output[0]
+    """The schedule's loss: the last stage's output already holds the micro-batch's normalised share.
+    A copy, not `output[0]` itself: zbv's input-gradient pass detaches the loss in place, which a view
+    of the output cannot be."""
+    return output[0].clone()
 
 
 class PipelineSchedule:
