@@ -38,20 +38,22 @@ BASE = [*RUN_BASE, "eval.sample_tokens=0", "trainer.micro_batch_size=1", "traine
 EVAL = ["eval.tasks=[tiny_sft_mc]", "eval.limit=6"]
 MTP_LORA = ["model.num_nextn_predict_layers=1", "peft=lora"]  # LoRA adapters on a model with MTP layers
 COMPARED = ("loss", "grad_norm", "mtp_loss", "moe_aux_loss", "moe_load_imbalance")
+# Samples (greedy, before and after training) decoded through the stages: their ids equal one process's.
+SAMPLES = ["eval.sample_tokens=4"]
 
 TWO_RANK = {  # name: (overrides, plant)
-    "pp2": (["mesh=pp2"], None),
+    "pp2": (["mesh=pp2", *SAMPLES], None),
     "interleaved": (["mesh=pp2", "mesh.pp_schedule=interleaved_1f1b", "mesh.pp_virtual_stages=2", *EVAL,
-                     "checkpoint.export_hf=true"], None),
+                     "checkpoint.export_hf=true", *SAMPLES], None),
     "gpipe_mtp_lora": (["mesh=pp2", "mesh.pp_schedule=gpipe", *MTP_LORA], None),
-    "drop_block": (["mesh=pp2", "trainer.max_steps=2", "checkpoint.every=0"], "drop_block"),
+    "drop_block": (["mesh=pp2", "trainer.max_steps=2", "checkpoint.every=0", *SAMPLES], "drop_block"),
     "no_normaliser": (["mesh=pp2", "trainer.max_steps=2", "checkpoint.every=0"], "no_normaliser"),
     "nan_first_stage": (["mesh=pp2", "trainer.max_steps=3", "checkpoint.every=0", "trainer.nonfinite=skip"],
                         "nan_first_stage"),
 }
 FOUR_RANK = {
     "pp2_fsdp2": (["mesh=pp2_fsdp"], None),
-    "pp2_tp2_sp": (["mesh=pp2", "mesh.tp=2", "mesh.sequence_parallel=true"], None),
+    "pp2_tp2_sp": (["mesh=pp2", "mesh.tp=2", "mesh.sequence_parallel=true", *SAMPLES], None),
     "pp2_ep2": (["mesh=pp2", "mesh.dp_shard=2", "mesh.ep=2"], None),
 }
 
@@ -85,6 +87,10 @@ def train_rows(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in metrics_rows(run_dir) if "loss" in r}
 
 
+def sample_ids(run_dir: Path) -> list[tuple[int, list[int]]]:
+    return [(r["step"], r["completion_ids"]) for r in map(json.loads, (run_dir / "samples.jsonl").open())]
+
+
 def worst(rows: dict[int, dict], ref: dict[int, dict], keys=COMPARED) -> dict[str, float]:
     """The largest relative difference of each metric over the steps both runs logged."""
     assert set(rows) <= set(ref) and rows, (sorted(rows), sorted(ref))
@@ -102,7 +108,7 @@ def runs(tmp_path_factory):
     """The single-process references, then one 2-rank and one 4-rank launch; returns the base dir and timings."""
     base = tmp_path_factory.mktemp("pipeline")
     began = time.perf_counter()
-    run(compose_run(base / "ref", *BASE, *EVAL))
+    run(compose_run(base / "ref", *BASE, *EVAL, *SAMPLES))
     run(compose_run(base / "ref_mtp_lora", *BASE, *MTP_LORA))
     times = {"references_s": time.perf_counter() - began}
 
@@ -140,6 +146,10 @@ def test_pipeline_matches_one_process(runs, name):
         scores = {k: v for k, v in reference.items() if k.startswith("eval/")}
         assert scores and {k: summary[k] for k in scores} == pytest.approx(scores, abs=1e-6)
         assert (runs / name / "hf" / "config.json").is_file()
+    if "eval.sample_tokens=4" in (TWO_RANK | FOUR_RANK)[name][0]:  # samples decoded through the stages
+        ours, reference = sample_ids(runs / name), sample_ids(runs / "ref")
+        assert [s for s, _ in reference] == [0, 0, 5, 5] and all(ids for _, ids in reference), reference
+        assert ours == reference
     # Validation before and after training runs through the stages too (data-parallel ranks would each
     # validate data.val_max_batches batches of their own: compared where there is one).
     if summary["mesh"].get("dp_shard", 1) * summary["mesh"].get("dp_replicate", 1) == 1:
@@ -188,6 +198,9 @@ def test_planted_faults_are_caught(runs):
     ref = train_rows(runs / "ref")
     # A wrong stage boundary (a block left out) changes the loss far beyond the tolerance ...
     assert worst(train_rows(runs / "drop_block"), ref, ("loss",))["loss"] > 100 * RTOL
+    # ... and the samples decoded through those stages (the ids of the untrained model, step 0, included);
+    assert [ids for s, ids in sample_ids(runs / "drop_block") if s == 0] != [ids for s, ids in
+                                                                           sample_ids(runs / "ref") if s == 0]
     # ... and a missing normalisation by the step's tokens the gradient norm (the logged loss is the sums').
     assert worst(train_rows(runs / "no_normaliser"), ref, ("grad_norm",))["grad_norm"] > 100 * RTOL
 
@@ -248,8 +261,8 @@ def test_export_from_a_pipeline_checkpoint(runs, tmp_path, name, ref):
 
 def test_pipeline_refuses_what_it_cannot_run(tmp_path):
     assert pipeline_problems(compose_run(tmp_path, *BASE, "mesh=pp2")) == []
-    for overrides, field in ((["eval.sample_tokens=4"], "eval.sample_tokens=4"),
-                             (["objective=dpo"], "objective.name=dpo"),
+    assert pipeline_problems(compose_run(tmp_path, *BASE, "mesh=pp2", *SAMPLES)) == []  # samples run under pp
+    for overrides, field in ((["objective=dpo"], "objective.name=dpo"),
                              (["trainer.compile=true"], "trainer.compile=true"),
                              (["mesh.pp_schedule=zbv", "mesh.pp_virtual_stages=2"], "mesh.pp_schedule=zbv")):
         problems = pipeline_problems(compose_run(tmp_path, *BASE, "mesh=pp2", *overrides))

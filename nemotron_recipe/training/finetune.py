@@ -357,7 +357,8 @@ class Trainer:
         if not prompts:
             return None
         return Samples(self.model, prompts, self.tokenizer, self.writer, max_new_tokens=e.sample_tokens,
-                       seq_len_divisor=self.parallel.seq_len_divisor, cp=self.layout.cp, device=self.env.device)
+                       seq_len_divisor=self.parallel.seq_len_divisor, cp=self.layout.cp, device=self.env.device,
+                       forward=self.pipeline.next_tokens if self.pipeline else None)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, Any]:

@@ -8,13 +8,17 @@ Mamba scan are causal). Every rank runs the same forwards on the same prompts; t
 the argmax over the whole vocabulary, gathered from the context-parallel rank that holds the position
 and from every vocab shard of a tensor-parallel head, then broadcast from rank 0, so all ranks
 continue alike and the ids equal one process's.
+
+What runs the forward is a `Forward`: by default the model on this rank; a pipeline passes its
+schedule's, which runs the stages in order and broadcasts the ids its last stage picked.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,6 +34,16 @@ from nemotron_recipe.training.loss import is_vocab_sharded
 log = logging.getLogger(__name__)
 
 DEFAULT_COUNT = 2  # prompts taken from the validation set when eval.samples is not given
+
+# One decoding step: (this rank's input ids [b, l_local], pick) -> the next token of each row [b], the
+# same on every rank that runs it; `pick` turns the training forward's logits into those ids.
+Pick = Callable[[torch.Tensor], torch.Tensor]
+Forward = Callable[[torch.Tensor, Pick], torch.Tensor]
+
+
+def model_forward(model: nn.Module) -> Forward:
+    """The decoding step of a model held whole (or sharded by FSDP, TP, CP, EP) on this rank."""
+    return lambda ids, pick: pick(model(ids).logits)
 
 
 @dataclass
@@ -78,11 +92,13 @@ def greedy_continue(
     seq_len_divisor: int = 1,
     cp: ContextParallel | None = None,
     device: torch.device | str = "cpu",
+    forward: Forward | None = None,
 ) -> list[tuple[list[int], str]]:
     """Each prompt's greedy continuation (ids, without the EOS) and why it ended ("eos" or "length").
 
     Called on every rank of the mesh with the same prompts; each rank passes this rank's context-parallel
-    group. The model runs in eval mode and is put back in training mode after."""
+    group. `forward` runs each step (default: `model_forward(model)`). The model runs in eval mode and
+    is put back in training mode after."""
     if not prompts or max_new_tokens <= 0:
         return [([], "length") for _ in prompts]
     longest = max(len(p) for p in prompts) + max_new_tokens
@@ -93,12 +109,13 @@ def greedy_continue(
     ends = torch.tensor([len(p) for p in prompts], device=device)  # next free position of each row
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     ended_by_eos = finished.clone()
+    forward = forward or model_forward(model)
     was_training = model.training
     model.eval()
     try:
         for _ in range(max_new_tokens):
-            logits = model(shard_sequence(ids, cp)).logits
-            nxt = next_tokens(logits, ends - 1, length, cp)
+            pick = partial(next_tokens, last=ends - 1, length=length, cp=cp)
+            nxt = forward(shard_sequence(ids, cp), pick)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.broadcast(nxt, src=0)  # every rank takes the same token, whatever rounding did
             active = ~finished
@@ -154,8 +171,10 @@ class Samples:
     (samples.jsonl, the console, a wandb table); the first and last pass of this run go into the summary."""
 
     def __init__(self, model: nn.Module, prompts: list[Prompt], tokenizer: Any, writer: Any, *, max_new_tokens: int,
-                 seq_len_divisor: int, cp: ContextParallel | None, device: torch.device) -> None:
+                 seq_len_divisor: int, cp: ContextParallel | None, device: torch.device,
+                 forward: Forward | None = None) -> None:
         self.model, self.prompts, self.tokenizer, self.writer = model, prompts, tokenizer, writer
+        self.forward = forward
         self.max_new_tokens, self.seq_len_divisor, self.cp, self.device = max_new_tokens, seq_len_divisor, cp, device
         self.first: list[dict[str, Any]] | None = None
         self.last: list[dict[str, Any]] | None = None
@@ -165,7 +184,8 @@ class Samples:
             return
         results = greedy_continue(
             self.model, [p.ids for p in self.prompts], self.max_new_tokens, eos_id=self.tokenizer.eos_token_id,
-            pad_id=self.tokenizer.pad_token_id, seq_len_divisor=self.seq_len_divisor, cp=self.cp, device=self.device)
+            pad_id=self.tokenizer.pad_token_id, seq_len_divisor=self.seq_len_divisor, cp=self.cp, device=self.device,
+            forward=self.forward)
         rows = [{"step": step, "prompt": p.text, "completion": self.tokenizer.decode(ids, skip_special_tokens=True),
                  "completion_ids": ids, "finish_reason": why,
                  **({"reference": p.reference} if p.reference is not None else {})}

@@ -21,10 +21,6 @@ def pipeline_problems(cfg: Any) -> list[str]:
         problems.append(f"objective.name={cfg.objective.name} with mesh.pp={pp}: a pipeline trains the sft objective "
                         "only (a preference pair's log-probs need the whole sequence on one stage). Fix: "
                         "objective=sft, or mesh.pp=1 with FSDP/TP to fit the model.")
-    if cfg.eval.sample_tokens:
-        problems.append(f"eval.sample_tokens={cfg.eval.sample_tokens} with mesh.pp={pp}: samples are decoded token "
-                        "by token on the training model, which a pipeline holds in pieces. Fix: eval.sample_tokens=0 "
-                        "(the exported checkpoint generates with `python -m recipes.generate`).")
     if cfg.trainer.compile:
         problems.append(f"trainer.compile=true with mesh.pp={pp}: compiling pipeline stages is not supported. "
                         "Fix: trainer.compile=false.")

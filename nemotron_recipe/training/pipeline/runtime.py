@@ -3,7 +3,8 @@
 `Pipeline` is built once from the run's settings and meshes. `parallelize` cuts the full model at the
 split's stage starts, keeps this rank's stages (one, or under interleaved 1F1B stages r, r + pp, ...),
 applies the model's parallelizer to each as to a model, and returns them as one
-`PipelineParts`, which the trainer holds as its model. `schedule` then gives the step's schedule.
+`PipelineParts`, which the trainer holds as its model. `schedule` then gives the step's schedule, and
+`next_tokens` a decoding step through it (the samples' forward).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Pipeline:
         self.inputs = StageInputs(loss_chunk_size=loss_chunk_size or 0,
                                   mtp_loss_scale=model_config.effective_mtp_loss_scale, device=device)
         self.parts: PipelineParts | None = None
+        self.built: PipelineSchedule | None = None
 
     def parallelize(self, model: NemotronHForCausalLM, parallelize_stage) -> PipelineParts:
         """The full model cut into this rank's stages, each parallelized by `parallelize_stage(stage)`."""
@@ -78,7 +80,14 @@ class Pipeline:
                                     pp_group=self.meshes.pp.get_group(), stage_ranks=ranks,
                                     device=self.device, shapes=self.shapes, balance=balance)
         self.parts.run = schedule.forward_only
+        self.built = schedule
         return schedule
+
+    def next_tokens(self, input_ids: torch.Tensor, pick) -> torch.Tensor:
+        """A decoding step through the stages (the samples' `Forward`): `PipelineSchedule.next_tokens`."""
+        if self.built is None:
+            raise RuntimeError("Pipeline.next_tokens: build the schedule first")
+        return self.built.next_tokens(input_ids, pick)
 
 
 def build_pipeline(cfg: Any, plan: ParallelPlan, meshes: ParallelMeshes, model_config: NemotronHConfig,

@@ -134,9 +134,10 @@ class PipelineSchedule:
         return self._built[key]
 
     @torch.no_grad()
-    def _forward_pass(self, batch: dict[str, torch.Tensor]) -> None:
-        """One batch through every stage in order, forward only (validation): each rank runs its stages
-        and sends their outputs to the next stage's rank, whatever the schedule's placement."""
+    def _forward_pass(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...] | None:
+        """One batch through every stage in order, forward only (validation, decoding): each rank runs its
+        stages and sends their outputs to the next stage's rank, whatever the schedule's placement.
+        Returns the last stage's output on the rank that holds it, else None."""
         shapes = self.shapes(*batch["input_ids"].shape, False)
         held = {s.stage_index: s for s in self.stages}
         carried: tuple[torch.Tensor, ...] = ()
@@ -155,6 +156,7 @@ class PipelineSchedule:
             if index + 1 < len(self.ranks) and index + 1 not in held:
                 for t in carried:
                     dist.send(t.contiguous(), dst=self.ranks[index + 1], group=self.pp_group)
+        return carried if len(self.ranks) - 1 in held else None
 
     def _step(self, batches: list[dict[str, torch.Tensor]], *, train: bool) -> torch.Tensor:
         """Runs `batches` through the stages; returns [micro-batches, 2] (loss sum, MTP loss sum) of each,
@@ -199,3 +201,16 @@ class PipelineSchedule:
         sums = self._step([batch], train=False)
         return SimpleNamespace(logits=None, loss_sum=sums[0, 0], num_tokens=(targets != IGNORE_INDEX).sum(),
                                mtp_loss_sum=None)
+
+    def next_tokens(self, input_ids: torch.Tensor, pick: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """One decoding step: `input_ids` [b, l] through the stages, forward only; the last stage's rank
+        turns its logits into each row's next token with `pick` (-> [b] ids, the same on every rank of
+        that stage's tensor- and context-parallel groups) and sends them to every stage, so the whole
+        pipeline continues alike. Same signature as `samples.model_forward`'s step."""
+        self.inputs.start([{"input_ids": input_ids}], 1)
+        out = self._forward_pass({"input_ids": input_ids})
+        ids = torch.empty(input_ids.shape[0], dtype=torch.long, device=self.device)
+        if out is not None:
+            ids.copy_(pick(out[0]))
+        dist.broadcast(ids, src=self.last_rank, group=self.pp_group)
+        return ids

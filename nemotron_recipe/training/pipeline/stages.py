@@ -89,7 +89,8 @@ class PipelineStageModel(NemotronHForCausalLM):
     """Stage `stage_index` of `num_stages`: the blocks `blocks` of `full`, with the embedding on the
     first stage and the final norm, head and MTP layers on the last. Its forward takes the previous
     stage's outputs (the first stage: the input ids) and returns the next stage's inputs, or on the
-    last stage [objective share, loss sum, MTP loss sum] (`LAST_STAGE_OUTPUTS`)."""
+    last stage [objective share, loss sum, MTP loss sum] (`LAST_STAGE_OUTPUTS`), or, for a batch
+    without targets (forward only), the logits."""
 
     def __init__(self, full: NemotronHForCausalLM, stage_index: int, num_stages: int, blocks: range,
                  inputs: StageInputs) -> None:
@@ -121,7 +122,12 @@ class PipelineStageModel(NemotronHForCausalLM):
             hidden, *carried = received
         for block in self.model.ordered_layers():
             hidden = block(hidden, document_ids=document_ids, token_mask=token_mask)
-        out = self._losses(index, self.model.norm_f(hidden), carried, batch) if self.is_last else (hidden, *carried)
+        if not self.is_last:
+            out = (hidden, *carried)
+        elif "targets" in batch:
+            out = self._losses(index, self.model.norm_f(hidden), carried, batch)
+        else:  # forward only, without targets (decoding): the logits, as the whole model gives them
+            out = self.lm_head(self.model.norm_f(hidden)).float()
         # After the MTP layers too: their MoE blocks' loads are this micro-batch's only from here on.
         if self.training and torch.is_grad_enabled() and self.inputs.after_forward is not None:
             self.inputs.after_forward(self)
