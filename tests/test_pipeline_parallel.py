@@ -121,8 +121,9 @@ def runs(tmp_path_factory):
     times["two_rank_s"] = time.perf_counter() - began
     step3 = base / "ref" / "checkpoints" / "step_000003"
     began = time.perf_counter()
-    torchrun(4, [*jobs(FOUR_RANK), *composed_jobs(base, 4), {"overrides": [*BASE, "mesh=pp2_fsdp", f"checkpoint.resume={step3}",
-                                                  f"run_dir={base / 'resumed_pp2_fsdp2'}"], "plant": None}], base)
+    resumed = {"overrides": [*BASE, "mesh=pp2_fsdp", f"checkpoint.resume={step3}",
+                             f"run_dir={base / 'resumed_pp2_fsdp2'}"], "plant": None}
+    torchrun(4, [*jobs(FOUR_RANK), *composed_jobs(base, 4), resumed], base)
     times["four_rank_s"] = time.perf_counter() - began
     (base / "times.json").write_text(json.dumps(times))
     return base
