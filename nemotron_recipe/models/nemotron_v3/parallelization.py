@@ -442,10 +442,12 @@ def apply_expert_parallel(blocks: list[nn.Module], ep_mesh: DeviceMesh) -> list[
 def apply_activation_checkpointing(container, blocks, mode: str, every: int) -> list[nn.Module]:
     """Wrap blocks for non-reentrant recomputation (modes: distributed/activation_checkpoint.py);
     returns the (possibly wrapped) blocks. `blocks` picks the Mamba and MLP blocks; `selective` keeps
-    the Mamba2 scan's outputs besides the matmuls and attention."""
+    the Mamba2 scan's outputs besides the matmuls and attention. `every_nth` counts blocks by their index
+    in the full model: a pipeline stage's blocks sit in a dict keyed by that index."""
     wrapped = []
-    for i, block in enumerate(blocks):
-        if is_checkpointed(mode, i, every, model_choice=_block_kind(block) in ("mlp", "mamba")):
+    indices = sorted(map(int, container.keys())) if isinstance(container, nn.ModuleDict) else range(len(blocks))
+    for i, (index, block) in enumerate(zip(indices, blocks)):
+        if is_checkpointed(mode, index, every, model_choice=_block_kind(block) in ("mlp", "mamba")):
             block = checkpoint_wrap(block, mode, model_ops=SELECTIVE_AC_SAVED_OPS)
             _set_block(container, i, block)
         wrapped.append(block)
