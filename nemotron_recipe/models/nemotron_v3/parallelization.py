@@ -644,6 +644,17 @@ def _tokens_split(fsdp_mesh: DeviceMesh, moe_tp: DeviceMesh | None) -> DeviceMes
     return fsdp_mesh if moe_tp is None else replicated_over(fsdp_mesh, moe_tp, "dp_replicate_tp")
 
 
+def _checkpointed(ac, container: nn.Module, blocks: list, mtp_container: nn.Module | None, mtp_blocks: list) -> list:
+    """The decoder's blocks then the MTP layers', each stack checkpointed as `ac` says (every_nth counts
+    within its own stack)."""
+    if ac.mode == "none":
+        return blocks + mtp_blocks
+    blocks = apply_activation_checkpointing(container, blocks, ac.mode, ac.every)
+    if mtp_blocks:
+        mtp_blocks = apply_activation_checkpointing(mtp_container, mtp_blocks, ac.mode, ac.every)
+    return blocks + mtp_blocks
+
+
 class NemotronHModelParallelizer(ModelParallelizer):
     """Apply Nemotron-H's specialized TP, CP, AC, and FSDP policy."""
 
@@ -690,11 +701,7 @@ class NemotronHModelParallelizer(ModelParallelizer):
             apply_context_parallel(inner_blocks, cp_mesh)
         apply_moe_sequence_group(inner_blocks, cp_mesh, tp_mesh if moe_tp is not None else None)
         _no_cache_in_training(model, container)
-        if ac.mode != "none":
-            blocks = apply_activation_checkpointing(container, blocks, ac.mode, ac.every)
-            if mtp_blocks:
-                mtp_blocks = apply_activation_checkpointing(mtp_container, mtp_blocks, ac.mode, ac.every)
-        blocks = blocks + mtp_blocks
+        blocks = _checkpointed(ac, container, blocks, mtp_container, mtp_blocks)
         if options.compile:
             apply_compile(inner_blocks)
         if reapply_trainability is not None:
