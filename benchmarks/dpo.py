@@ -89,7 +89,7 @@ def held_bytes(*models: torch.nn.Module) -> int:
     return total
 
 
-def main(argv: list[str] | None = None) -> None:
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="h1024")
     parser.add_argument("--hidden", type=int, default=None, help="override hidden_size (a reduced size)")
@@ -101,16 +101,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-record", action="store_true")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    cfg = {**PRESETS, **BENCH_PRESETS}[args.preset]
-    if args.hidden:
-        cfg = dataclasses.replace(cfg, hidden_size=args.hidden)
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    policy = build(cfg, dtype, 0, adapters=True, device=device)
-    copy = build(cfg, dtype, 0, adapters=False, device=device)
+
+def _steps(args: argparse.Namespace, policy: torch.nn.Module, copy: torch.nn.Module, device: torch.device):
+    """One optimizer step of each variant on the same pairs, and the precomputed reference's table."""
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-5)
-    ids, targets = pairs_batch(cfg.vocab_size, args.pairs, args.prompt_len, args.response_len, device)
+    ids, targets = pairs_batch(policy.config.vocab_size, args.pairs, args.prompt_len, args.response_len, device)
     batch = {"input_ids": ids, "targets": targets}
     index = torch.arange(args.pairs)
 
@@ -137,6 +134,18 @@ def main(argv: list[str] | None = None) -> None:
     table = precomputed_table(copy, logps, batch, args.pairs)
     steps = {"sft": sft, "dpo base": dpo(BaseReference(policy, logps)), "dpo copy": dpo(CopyReference(copy, logps)),
              "dpo precomputed": dpo(PrecomputedReference(table, device))}
+    return steps, table
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _arguments(argv)
+    cfg = {**PRESETS, **BENCH_PRESETS}[args.preset]
+    if args.hidden:
+        cfg = dataclasses.replace(cfg, hidden_size=args.hidden)
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    policy = build(cfg, dtype, 0, adapters=True, device=device)
+    copy = build(cfg, dtype, 0, adapters=False, device=device)
+    steps, table = _steps(args, policy, copy, device)
     times, cpu = interleaved_times(steps, device, args.warmup, args.rounds)
     med = {k: statistics.median(v) for k, v in times.items()}
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
@@ -161,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{ratio('dpo copy', 'dpo base')} | {ratio('dpo precomputed', 'dpo base')} | {mib(memory['sft'])} / "
         f"{adds('dpo base', 'sft')} / {adds('dpo copy', 'dpo base')} / {adds('dpo precomputed', 'dpo base')} | "
         f"`{command}` |"))
+
 
 if __name__ == "__main__":
     main()

@@ -60,6 +60,23 @@ FOUR_RANK = {
     "pp2_ep2": (["mesh=pp2", "mesh.dp_shard=2", "mesh.ep=2"], None),
 }
 
+# Pipeline composed with context parallel, HSDP and activation checkpointing: three steps each, with
+# each rank's checkpointed blocks recorded (the worker's "checkpointed" record) to show the wrapping
+# happened on the stages and recomputed in the backward. name: (overrides, ranks, record)
+SHORT = ["trainer.max_steps=3", "checkpoint.every=0"]
+COMPOSED = {
+    "pp2_ac_full": (["mesh=pp2", "ac=full", *SHORT], 2, "checkpointed"),
+    "pp2_ac_selective": (["mesh=pp2", "ac=selective", *SHORT], 2, "checkpointed"),
+    "pp2_ac_blocks": (["mesh=pp2", "ac=blocks", *SHORT], 2, "checkpointed"),
+    "pp2_cp2": (["mesh=pp2", "mesh.cp=2", *SHORT], 4, None),
+    "pp2_hsdp_ac_every_nth": (["mesh=pp2", "mesh.dp_replicate=2", "ac=every_nth", *SHORT], 4, "checkpointed"),
+}
+
+
+def composed_jobs(base: Path, ranks: int) -> list[dict]:
+    return [{"overrides": [*BASE, *o, f"run_dir={base / name}"], "plant": None, "record": record}
+            for name, (o, n, record) in COMPOSED.items() if n == ranks]
+
 
 def torchrun(nproc: int, jobs: list[dict], cwd: Path, timeout: int = 600) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -103,12 +120,13 @@ def runs(tmp_path_factory):
                 variants.items()]
 
     began = time.perf_counter()
-    torchrun(2, jobs(TWO_RANK), base)
+    torchrun(2, [*jobs(TWO_RANK), *composed_jobs(base, 2)], base)
     times["two_rank_s"] = time.perf_counter() - began
     step3 = base / "ref" / "checkpoints" / "step_000003"
     began = time.perf_counter()
-    torchrun(4, [*jobs(FOUR_RANK), {"overrides": [*BASE, "mesh=pp2_fsdp", f"checkpoint.resume={step3}",
-                                                  f"run_dir={base / 'resumed_pp2_fsdp2'}"], "plant": None}], base)
+    resumed = {"overrides": [*BASE, "mesh=pp2_fsdp", f"checkpoint.resume={step3}",
+                             f"run_dir={base / 'resumed_pp2_fsdp2'}"], "plant": None}
+    torchrun(4, [*jobs(FOUR_RANK), *composed_jobs(base, 4), resumed], base)
     times["four_rank_s"] = time.perf_counter() - began
     (base / "times.json").write_text(json.dumps(times))
     return base
@@ -141,6 +159,42 @@ def test_pipeline_matches_one_process(runs, name):
     if summary["mesh"].get("dp_shard", 1) * summary["mesh"].get("dp_replicate", 1) == 1:
         val = lambda d: [r["val_loss"] for r in metrics_rows(d) if "val_loss" in r]
         assert val(runs / name) == pytest.approx(val(runs / ("ref_mtp_lora" if "mtp" in name else "ref")), rel=RTOL)
+
+
+def checkpointed_blocks(model_cfg, mode: str, every: int) -> set[int]:
+    """The blocks one process wraps for recomputation (distributed/activation_checkpoint.py's modes)."""
+    pattern = build_model_config(model_cfg).pattern
+    if mode == "blocks":  # the model's pick: the Mamba and MLP blocks
+        return {i for i, kind in enumerate(pattern) if kind in "M-"}
+    return {i for i in range(len(pattern)) if mode != "every_nth" or i % every == 0}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(COMPOSED))
+def test_pipeline_composes_with_cp_hsdp_and_activation_checkpointing(runs, name, tmp_path):
+    overrides, ranks, record = COMPOSED[name]
+    ref, rows = train_rows(runs / "ref"), train_rows(runs / name)
+    assert sorted(rows) == [1, 2, 3]
+    errors = worst(rows, ref)
+    assert {"loss", "grad_norm", "moe_aux_loss", "moe_load_imbalance"} <= set(errors)
+    assert max(errors.values()) <= RTOL, errors
+    summary = json.loads((runs / name / "summary.json").read_text())
+    assert summary["mesh"]["pp"] == 2 and summary["world_size"] == ranks
+    if summary["mesh"].get("dp_replicate", 1) * summary["mesh"].get("dp_shard", 1) == 1:  # validation at step 0
+        val = lambda d: {r["step"]: r["val_loss"] for r in metrics_rows(d) if "val_loss" in r}
+        ours, reference = val(runs / name), val(runs / "ref")
+        assert 0 in ours and ours[0] == pytest.approx(reference[0], rel=RTOL)
+    if record:  # the stages wrapped what one process wraps, and recomputed it in every training backward
+        cfg = compose_run(tmp_path, *BASE, *overrides)
+        per_rank = [json.loads((runs / name / f"checkpointed_rank{r}.json").read_text()) for r in range(ranks)]
+        stage_of = {r: r // (ranks // 2) for r in range(ranks)}  # pp is the outermost mesh dim
+        by_stage = {stage: {b for r, rec in enumerate(per_rank) if stage_of[r] == stage for b in rec["blocks"]}
+                    for stage in (0, 1)}
+        assert not by_stage[0] & by_stage[1]
+        assert by_stage[0] | by_stage[1] == checkpointed_blocks(cfg.model, cfg.ac.mode, cfg.ac.get("every", 1))
+        for rec in per_rank:
+            recomputed = rec.get("inner", 0) - rec.get("outer", 0)
+            assert recomputed > 0 and recomputed % len(rec["blocks"]) == 0, rec
 
 
 @pytest.mark.distributed

@@ -442,10 +442,12 @@ def apply_expert_parallel(blocks: list[nn.Module], ep_mesh: DeviceMesh) -> list[
 def apply_activation_checkpointing(container, blocks, mode: str, every: int) -> list[nn.Module]:
     """Wrap blocks for non-reentrant recomputation (modes: distributed/activation_checkpoint.py);
     returns the (possibly wrapped) blocks. `blocks` picks the Mamba and MLP blocks; `selective` keeps
-    the Mamba2 scan's outputs besides the matmuls and attention."""
+    the Mamba2 scan's outputs besides the matmuls and attention. `every_nth` counts blocks by their index
+    in the full model: a pipeline stage's blocks sit in a dict keyed by that index."""
     wrapped = []
-    for i, block in enumerate(blocks):
-        if is_checkpointed(mode, i, every, model_choice=_block_kind(block) in ("mlp", "mamba")):
+    indices = sorted(map(int, container.keys())) if isinstance(container, nn.ModuleDict) else range(len(blocks))
+    for i, (index, block) in enumerate(zip(indices, blocks)):
+        if is_checkpointed(mode, index, every, model_choice=_block_kind(block) in ("mlp", "mamba")):
             block = checkpoint_wrap(block, mode, model_ops=SELECTIVE_AC_SAVED_OPS)
             _set_block(container, i, block)
         wrapped.append(block)
@@ -642,6 +644,17 @@ def _tokens_split(fsdp_mesh: DeviceMesh, moe_tp: DeviceMesh | None) -> DeviceMes
     return fsdp_mesh if moe_tp is None else replicated_over(fsdp_mesh, moe_tp, "dp_replicate_tp")
 
 
+def _checkpointed(ac, container: nn.Module, blocks: list, mtp_container: nn.Module | None, mtp_blocks: list) -> list:
+    """The decoder's blocks then the MTP layers', each stack checkpointed as `ac` says (every_nth counts
+    within its own stack)."""
+    if ac.mode == "none":
+        return blocks + mtp_blocks
+    blocks = apply_activation_checkpointing(container, blocks, ac.mode, ac.every)
+    if mtp_blocks:
+        mtp_blocks = apply_activation_checkpointing(mtp_container, mtp_blocks, ac.mode, ac.every)
+    return blocks + mtp_blocks
+
+
 class NemotronHModelParallelizer(ModelParallelizer):
     """Apply Nemotron-H's specialized TP, CP, AC, and FSDP policy."""
 
@@ -688,11 +701,7 @@ class NemotronHModelParallelizer(ModelParallelizer):
             apply_context_parallel(inner_blocks, cp_mesh)
         apply_moe_sequence_group(inner_blocks, cp_mesh, tp_mesh if moe_tp is not None else None)
         _no_cache_in_training(model, container)
-        if ac.mode != "none":
-            blocks = apply_activation_checkpointing(container, blocks, ac.mode, ac.every)
-            if mtp_blocks:
-                mtp_blocks = apply_activation_checkpointing(mtp_container, mtp_blocks, ac.mode, ac.every)
-        blocks = blocks + mtp_blocks
+        blocks = _checkpointed(ac, container, blocks, mtp_container, mtp_blocks)
         if options.compile:
             apply_compile(inner_blocks)
         if reapply_trainability is not None:

@@ -14,7 +14,7 @@ def pipeline_problems(cfg: Any) -> list[str]:
     problems = []
     if cfg.objective.name != "sft":
         problems.append(f"objective.name={cfg.objective.name} with mesh.pp={pp}: a pipeline trains the sft objective "
-                        "only (a preference pair's log-probs need the whole sequence on one stage). Fix: "
+                        "only (DPO's reference forward and its pair loss are not run through the stages). Fix: "
                         "objective=sft, or mesh.pp=1 with FSDP/TP to fit the model.")
     if cfg.trainer.compile:
         problems.append(f"trainer.compile=true with mesh.pp={pp}: compiling pipeline stages is not supported. "
