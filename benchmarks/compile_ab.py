@@ -24,7 +24,7 @@ import torch
 from benchmarks import results
 from benchmarks.measure import device_name, step_memory, timed
 from benchmarks.results import append_row, gib, measured
-from benchmarks.throughput import DTYPES, build_config, build_models, describe, make_optimizer
+from benchmarks.throughput import DTYPES, add_model_arguments, build_config, build_models, describe, make_optimizer
 from nemotron_recipe.training.loss import IGNORE_INDEX, forward_loss_sum
 
 RESULTS = results.RESULTS  # a test points it elsewhere
@@ -34,14 +34,7 @@ HEADER = ("| date (commit) | device | config | dtype | batch x seq | eager s/ste
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="h1024")
-    p.add_argument("--hidden", type=int)
-    p.add_argument("--pattern")
-    p.add_argument("--vocab", type=int)
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    add_model_arguments(p, preset="h1024", dtype="bf16", seq_len=512)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)

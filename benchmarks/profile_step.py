@@ -43,7 +43,15 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks import results
 from benchmarks.measure import device_name, interleaved_times, peak_matmul_flops
 from benchmarks.results import append_row, measured
-from benchmarks.throughput import DTYPES, build_config, build_models, describe, make_optimizer, ours_step
+from benchmarks.throughput import (
+    DTYPES,
+    add_model_arguments,
+    build_config,
+    build_models,
+    describe,
+    make_optimizer,
+    ours_step,
+)
 from nemotron_recipe.models.nemotron_v3.flops import training_flops
 from nemotron_recipe.training.loss import IGNORE_INDEX
 
@@ -165,14 +173,7 @@ def _caller(e) -> str:
 # ---------------------------------------------------------------------------------------- run
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="h1024")
-    p.add_argument("--hidden", type=int)
-    p.add_argument("--pattern")
-    p.add_argument("--vocab", type=int)
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    add_model_arguments(p, preset="h1024", dtype="bf16", seq_len=512)
     p.add_argument("--compile", action="store_true", help="torch.compile each block, as trainer.compile does")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3, help="unprofiled steps timed for the MFU")

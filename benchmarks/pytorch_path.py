@@ -32,7 +32,15 @@ import torch
 from benchmarks import results
 from benchmarks.measure import device_name, interleaved_times, step_memory, timed
 from benchmarks.results import append_row, gib, measured
-from benchmarks.throughput import DTYPES, build_config, build_models, describe, make_optimizer, ours_step
+from benchmarks.throughput import (
+    DTYPES,
+    add_model_arguments,
+    build_config,
+    build_models,
+    describe,
+    make_optimizer,
+    ours_step,
+)
 from nemotron_recipe.models.nemotron_v3 import kernels
 from nemotron_recipe.training.loss import IGNORE_INDEX
 
@@ -139,14 +147,7 @@ def time_scans(args, cfg, device) -> list[dict]:
 # ---------------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="gpu_1b")
-    p.add_argument("--hidden", type=int)
-    p.add_argument("--pattern")
-    p.add_argument("--vocab", type=int)
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    add_model_arguments(p, preset="gpu_1b", dtype="bf16", seq_len=2048)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)

@@ -97,6 +97,18 @@ def _parse_value(field: dataclasses.Field, text: str) -> Any:
     return text
 
 
+def add_model_arguments(p: argparse.ArgumentParser, *, preset: str, dtype: str, seq_len: int, batch: int = 4) -> None:
+    """The model and batch shape every benchmark takes: what `build_config` reads, with these defaults."""
+    p.add_argument("--preset", default=preset, help=f"a model preset or one of {sorted(BENCH_PRESETS)}")
+    p.add_argument("--hidden", type=int, help="override hidden_size")
+    p.add_argument("--pattern", help="override the block pattern")
+    p.add_argument("--vocab", type=int, help="override vocab_size")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override any model field")
+    p.add_argument("--batch", type=int, default=batch, help="sequences per step (per data-parallel rank)")
+    p.add_argument("--seq-len", type=int, default=seq_len)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=dtype, help="parameter and compute dtype")
+
+
 def build_config(args: argparse.Namespace) -> NemotronHConfig:
     presets = {**PRESETS, **BENCH_PRESETS}
     if args.preset not in presets:
@@ -536,14 +548,7 @@ def _ac_name(mode: str, args) -> str:
 # ---------------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny", help=f"a model preset or one of {sorted(BENCH_PRESETS)}")
-    p.add_argument("--hidden", type=int, help="override hidden_size")
-    p.add_argument("--pattern", help="override the block pattern")
-    p.add_argument("--vocab", type=int, help="override vocab_size")
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="override any model field")
-    p.add_argument("--batch", type=int, default=4, help="sequences per step (per data-parallel rank)")
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="parameter and compute dtype of both")
+    add_model_arguments(p, preset="tiny", dtype="fp32", seq_len=512)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--impl", choices=("both", "ours", "theirs"),
                    help="which models to time (default: both; ours alone with --sweep-seq)")
