@@ -93,12 +93,17 @@ def summaries(data: SFTData, seq_len: int) -> list[dict[str, Any]]:
             if ex is not None]
 
 
+def sequence_record(e: PreviewExample, tok: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """A sequence as JSON shows it: its text, the trained part's text, its tokens and their mask."""
+    trained = [t for t, m in zip(e.tokens, e.trained_mask) if m]
+    return {"text": tok.decode(e.tokens), "trained_text": tok.decode(trained), "tokens": e.tokens,
+            "trained_mask": [int(m) for m in e.trained_mask]}
+
+
 def as_json(examples: list[PreviewExample], tok: PreTrainedTokenizerBase, data: SFTData, seq_len: int) -> str:
     records = []
     for e in examples:
-        record = {"index": e.index, "text": tok.decode(e.tokens),
-                  "trained_text": tok.decode([t for t, m in zip(e.tokens, e.trained_mask) if m]),
-                  "tokens": e.tokens, "trained_mask": [int(m) for m in e.trained_mask]}
+        record = {"index": e.index, **sequence_record(e, tok)}
         if e.document_lengths is not None:
             record["document_lengths"] = e.document_lengths
         records.append(record)

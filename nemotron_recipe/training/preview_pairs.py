@@ -17,7 +17,14 @@ from transformers import PreTrainedTokenizerBase
 
 from nemotron_recipe.data import IGNORE_INDEX
 from nemotron_recipe.data.preference import PreferenceData, PreferencePairs
-from nemotron_recipe.training.preview import CLOSE, OPEN, PreviewExample, marked_text, preview_examples
+from nemotron_recipe.training.preview import (
+    CLOSE,
+    OPEN,
+    PreviewExample,
+    marked_text,
+    preview_examples,
+    sequence_record,
+)
 
 HALVES = ("chosen", "rejected")
 
@@ -59,15 +66,9 @@ def _summaries(data: PreferenceData, seq_len: int) -> list[dict[str, Any]]:
     return [pairs_summary(name, p, seq_len) for name, p in (("train", data.train), ("val", data.val)) if p is not None]
 
 
-def _half(e: PreviewExample, tok: PreTrainedTokenizerBase) -> dict[str, Any]:
-    trained = [t for t, m in zip(e.tokens, e.trained_mask) if m]
-    return {"text": tok.decode(e.tokens), "trained_text": tok.decode(trained), "tokens": e.tokens,
-            "trained_mask": [int(m) for m in e.trained_mask]}
-
-
 def pairs_as_json(shown: list[PreviewPair], tok: PreTrainedTokenizerBase, data: PreferenceData, seq_len: int) -> str:
     records = [{"index": p.index, "prompt": tok.decode(p.chosen.tokens[: p.prompt_length]),
-                **{h: _half(getattr(p, h), tok) for h in HALVES}} for p in shown]
+                **{h: sequence_record(getattr(p, h), tok) for h in HALVES}} for p in shown]
     return json.dumps({"format": data.formatter, "pairs": records, "summary": _summaries(data, seq_len)},
                       indent=1, ensure_ascii=False)
 
