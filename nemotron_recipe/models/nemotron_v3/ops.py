@@ -35,7 +35,7 @@ def causal_conv1d_step(x: torch.Tensor, window: torch.Tensor, weight: torch.Tens
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
     shifted = torch.cat((window[..., 1:], x[..., None]), dim=-1)
     window.copy_(shifted)
-    out = torch.linalg.vecdot(shifted.to(ct), weight.to(ct))
+    out = (shifted.to(ct) * weight.to(ct)).sum(-1)
     return out if bias is None else out + bias.to(ct)
 
 
