@@ -1,6 +1,7 @@
 """Incremental decoding: the cache against recomputing the whole sequence, sampling, stopping and errors."""
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -97,10 +98,11 @@ def _worst_step_error(model, prompts, steps: int, decoding=contextlib.nullcontex
 
 
 @pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
-def test_reordered_weights_decode_as_the_linears_compute():
+def test_reordered_weights_decode_as_the_linears_compute(monkeypatch):
     """Inside `packed_linears` every linear layer (LM head and unmerged LoRA bases included) runs on
     oneDNN's reordered weights: 16 cached steps give the logits of recomputing the whole sequences
-    with the plain layers (1e-5), `generate` the same greedy ids, and nothing stays patched."""
+    with the plain layers (1e-5), `generate` the same greedy ids, and nothing stays patched. By
+    default they are made only where the copy takes at most half the free memory."""
     model = _lora_model()
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     taken = []
@@ -122,6 +124,12 @@ def test_reordered_weights_decode_as_the_linears_compute():
         assert n == len(linears)
     with packed_linears(model, 1, enabled=False) as n:
         assert n == 0
+    weight_bytes = sum(m.weight.nbytes for m in linears)
+    page = os.sysconf("SC_PAGE_SIZE")
+    for free, expected in ((weight_bytes, 0), (4 * weight_bytes, len(linears))):  # the copy needs half the free memory
+        monkeypatch.setattr(os, "sysconf", lambda name, free=free: free // page if name == "SC_AVPHYS_PAGES" else page)
+        with packed_linears(model, 1) as n:
+            assert n == expected
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

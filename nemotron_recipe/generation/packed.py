@@ -6,7 +6,8 @@ weight reordered ahead of time (the layout inductor's weight prepacking uses) st
 faster than `F.linear`: on two cores of an AMD EPYC, at one row, bf16 weights at 46-70 GB/s against
 20-24 GB/s and fp32 weights at 29-77 GB/s against MKL's 15-38 GB/s, over the h1024 benchmark's
 projection shapes (benchmarks/decode.py measures the effect on whole generations). The reordered copies exist only inside `packed_linears`; they cost as
-many bytes as the weights they mirror, so `GenerationConfig.prepack_weights=False` turns them off.
+many bytes as the weights they mirror: by default they are made only where they take at most half
+the memory still free, and `GenerationConfig.prepack_weights=False` turns them off.
 
 Every plain `nn.Linear` of the model (the LM head and the bases of unmerged LoRA projections
 included, the adapters running as before) is taken whose weight is an ordinary CPU tensor in fp32 or
@@ -17,6 +18,7 @@ the order of the fp32 sums.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
@@ -35,6 +37,16 @@ def packing_pays(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether reordered weights beat `F.linear` for decoding: on CPU, in bf16 and fp32, at one row
     and at eight alike."""
     return device.type == "cpu" and packing_available() and dtype in (torch.bfloat16, torch.float32)
+
+
+def copy_fits(nbytes: int) -> bool:
+    """Whether a copy of `nbytes` leaves room: at most half the physical memory still available
+    (where the system says; on systems that do not, it is assumed to fit)."""
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return True
+    return nbytes <= available // 2
 
 
 # The forwards whose matmul this replaces; a subclass with a forward of its own is left alone.
@@ -66,12 +78,14 @@ def _packed_forward(module: nn.Linear, packed: torch.Tensor):
 def packed_linears(model: nn.Module, batch: int, enabled: bool | None = None) -> Iterator[int]:
     """Inside: the model's linear layers run on weights reordered for `batch` rows (see the module
     docstring); yields how many were taken. `enabled` None decides by `packing_pays` on the LM head's
-    device and dtype; False takes none; True takes every one it can (none where oneDNN is missing)."""
+    device and dtype, and by `copy_fits` on the copies' bytes; False takes none; True takes every one
+    it can (none where oneDNN is missing)."""
     head = getattr(model, "lm_head", None)
     weight = getattr(head, "weight", None)
-    if enabled is None:
-        enabled = weight is not None and packing_pays(weight.device, weight.dtype)
-    taken = [m for m in model.modules() if _packable(m)] if enabled and packing_available() else []
+    taken = [m for m in model.modules() if _packable(m)] if enabled is not False and packing_available() else []
+    if enabled is None and not (weight is not None and packing_pays(weight.device, weight.dtype)
+                                and copy_fits(sum(m.weight.nbytes for m in taken))):
+        taken = []
     try:
         with torch.no_grad():
             for m in taken:
