@@ -73,13 +73,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quant-algo", default="FP8", choices=("FP8", "NVFP4"),
                         help="quant_algo written to the config (NVFP4: a format the loader refuses)")
     args = parser.parse_args(argv)
-    expected = make_fp8_checkpoint(args.out, args.preset, args.seed, args.source, args.quant_algo)
+    try:
+        expected = make_fp8_checkpoint(args.out, args.preset, args.seed, args.source, args.quant_algo)
+    except (FileExistsError, FileNotFoundError) as e:
+        raise SystemExit(f"Error: {e}") from None
     with safe_open(str(args.out / "model.safetensors"), "pt") as f:
         fp8 = [n for n in f.keys() if f.get_slice(n).get_dtype() == "F8_E4M3"]  # noqa: SIM118 - not a dict
     kept = len(excluded_modules(list(expected)))
     print(f"wrote {args.out} (quant_algo {args.quant_algo}, tokenizer): {len(fp8)} projections in FP8 with "
           f"per-tensor scales, {kept} excluded modules in bf16, {len(expected) - len(fp8) - kept} other tensors "
           "as they were (embedding, norms, routers, Mamba conv, A_log, D, dt_bias)")
+
 
 if __name__ == "__main__":
     main()

@@ -103,6 +103,9 @@ def test_the_script_writes_a_release_the_recipe_reads(tmp_path, capsys):
     assert len(tokenizer) <= config.vocab_size and tokenizer("red").input_ids
     with pytest.raises(FileExistsError, match="exists; choose a new directory"):
         script.make_fp8_checkpoint(tmp_path / "fp8")
+    with pytest.raises(SystemExit, match="holds no .safetensors file; give a bf16 Hugging Face checkpoint"):
+        script.main([str(tmp_path / "none"), "--from", str(tmp_path / "no-checkpoint-here")])
+    assert not (tmp_path / "none").exists()  # a bad source leaves nothing behind
 
     script.main([str(tmp_path / "nvfp4"), "--quant-algo", "NVFP4"])
     assert "projections in FP8 with per-tensor scales" in capsys.readouterr().out

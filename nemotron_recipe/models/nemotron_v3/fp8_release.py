@@ -40,8 +40,8 @@ def _weights(src: Path) -> dict[str, torch.Tensor]:
 
     files = sorted(src.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{src} holds no .safetensors file; write the bf16 checkpoint there first "
-                                "(NemotronHForCausalLM.save_pretrained)")
+        raise FileNotFoundError(f"{src} holds no .safetensors file; give a bf16 Hugging Face checkpoint directory "
+                                "(config.json and safetensors, as `recipes.export` or `save_pretrained` write)")
     return {name: t for f in files for name, t in load_file(str(f)).items()}
 
 
@@ -60,8 +60,8 @@ def write_fp8_release(src: str | Path, out: str | Path, quantization: dict | Non
     `quant_algo: NVFP4`, a format a loader must refuse; the tensors stay FP8); `scale_shape` expands each
     per-tensor scale (a layout a loader must refuse)."""
     src, out = Path(src), Path(out)
+    weights = _weights(src)  # before `out` exists: a bad source leaves nothing behind
     out.mkdir(parents=True)
-    weights = _weights(src)
     exclude = excluded_modules(list(weights))
     quantization = {**modelopt_fp8_config(exclude), **(quantization or {})}
     config = json.loads((src / "config.json").read_text())
