@@ -28,7 +28,7 @@ class GenerationConfig:
     max_length: the most positions (prompt plus new tokens) the model may take; None: no limit.
     prepack_weights: run the linear layers on weights reordered for oneDNN once per call (packed.py),
         a copy as large as those weights that makes CPU decoding steps faster; None: where it pays
-        (CPU, bf16 at any batch, fp32 from two prompts a batch), True: wherever oneDNN runs, False: never.
+        (CPU, bf16 and fp32), True: wherever oneDNN runs, False: never.
     """
 
     max_new_tokens: int = 128

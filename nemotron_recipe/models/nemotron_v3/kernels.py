@@ -524,12 +524,22 @@ def _cuda_state_update():
     return _optional_kernel("mamba_ssm.ops.triton.selective_state_update", "selective_state_update")
 
 
+def _conv_step_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a conv step computes in: the inputs' in `causal_conv1d_update`, fp32 (fp64 for fp64
+    inputs) in the PyTorch step, as the whole-sequence conv accumulates."""
+    if device.type in _KERNEL_DEVICES and _cuda_conv_update() is not None:
+        return dtype
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def conv_step_weights(weight: torch.Tensor, bias: torch.Tensor | None,
                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The conv's weight [C, 1, K] and bias as `conv_step_silu` takes them: [C, K] and [C], in the
-    inputs' dtype first, as the whole-sequence conv takes them (`causal_conv1d_silu`)."""
-    weight = weight.reshape(weight.shape[0], -1).to(dtype).contiguous()
-    return weight, None if bias is None else bias.to(dtype)
+    """The conv's weight [C, 1, K] and bias as `conv_step_silu` takes them for inputs of `dtype`:
+    [C, K] and [C], rounded to `dtype` first, as the whole-sequence conv takes them
+    (`causal_conv1d_silu`), then held in the dtype the step computes in (cast once, not per step)."""
+    ct = _conv_step_dtype(weight.device, dtype)
+    weight = weight.reshape(weight.shape[0], -1).to(dtype).to(ct).contiguous()
+    return weight, None if bias is None else bias.to(dtype).to(ct)
 
 
 def conv_step_silu(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor,
@@ -540,7 +550,7 @@ def conv_step_silu(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor,
     else `ops.causal_conv1d_step`."""
     from .ops import causal_conv1d_step  # ops holds the plain reference, as for the whole-sequence conv
 
-    if weight.dim() == 3 or weight.dtype != x.dtype:
+    if weight.dim() == 3 or weight.dtype != _conv_step_dtype(x.device, x.dtype):
         weight, bias = conv_step_weights(weight, bias, x.dtype)
     if x.device.type in _KERNEL_DEVICES and _cuda_conv_update() is not None:
         return _cuda_conv_update()(x, window, weight, bias, activation="silu")

@@ -30,15 +30,27 @@ def _norm_backward(gh: torch.Tensor, hn: torch.Tensor, rstd: torch.Tensor) -> to
     return gh.sub_(hn * (gh * hn).mean(-1, keepdim=True)).mul_(rstd)
 
 
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    h = _fp32(x)
+    rstd = _rstd(h, eps)
+    return (_fp32(weight) * (h * rstd)).to(x.dtype), rstd
+
+
+def _gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    h = (_fp32(y) * F.silu(_fp32(z))).unflatten(-1, (-1, group_size))
+    rstd = _rstd(h, eps)
+    return weight * (h * rstd).flatten(-2).to(y.dtype), rstd
+
+
 class RMSNormFn(torch.autograd.Function):
     """(weight * (x * rsqrt(mean(x^2) + eps))) in fp32, cast to x's dtype."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        h = _fp32(x)
-        rstd = _rstd(h, eps)
+        out, rstd = _rms_norm(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return (_fp32(weight) * (h * rstd)).to(x.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -56,11 +68,10 @@ class GatedGroupRMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, z, weight, group_size, eps):
-        h = (_fp32(y) * F.silu(_fp32(z))).unflatten(-1, (-1, group_size))
-        rstd = _rstd(h, eps)
+        out, rstd = _gated_group_rms_norm(y, z, weight, group_size, eps)
         ctx.save_for_backward(y, z, weight, rstd)
         ctx.group_size = group_size
-        return weight * (h * rstd).flatten(-2).to(y.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -81,12 +92,23 @@ def _plain(*tensors: torch.Tensor) -> bool:
     return not any(isinstance(t, DTensor) for t in tensors)
 
 
+def _records_graph(*tensors: torch.Tensor) -> bool:
+    # Without a graph to record (generation, evaluation) the autograd node's own cost is saved too.
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """`RMSNormFn`, or None for DTensor inputs (the caller then runs the plain composition)."""
-    return RMSNormFn.apply(x, weight, eps) if _plain(x, weight) else None
+    if not _plain(x, weight):
+        return None
+    return RMSNormFn.apply(x, weight, eps) if _records_graph(x, weight) else _rms_norm(x, weight, eps)[0]
 
 
 def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
                          eps: float) -> torch.Tensor | None:
     """`GatedGroupRMSNormFn`, or None for DTensor inputs (the caller then runs the plain composition)."""
-    return GatedGroupRMSNormFn.apply(y, z, weight, group_size, eps) if _plain(y, z, weight) else None
+    if not _plain(y, z, weight):
+        return None
+    if _records_graph(y, z, weight):
+        return GatedGroupRMSNormFn.apply(y, z, weight, group_size, eps)
+    return _gated_group_rms_norm(y, z, weight, group_size, eps)[0]

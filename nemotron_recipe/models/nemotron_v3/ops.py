@@ -33,9 +33,9 @@ def causal_conv1d_step(x: torch.Tensor, window: torch.Tensor, weight: torch.Tens
     inputs (oldest first) and is shifted in place to end with x [b, C]; weight [C, K]. Returns the
     conv output [b, C] in fp32 (fp64 for fp64 inputs), as the whole-sequence conv accumulates."""
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-    window[..., :-1] = window[..., 1:].clone()
-    window[..., -1] = x
-    out = (window.to(ct) * weight.to(ct)).sum(-1)
+    shifted = torch.cat((window[..., 1:], x[..., None]), dim=-1)
+    window.copy_(shifted)
+    out = torch.linalg.vecdot(shifted.to(ct), weight.to(ct))
     return out if bias is None else out + bias.to(ct)
 
 

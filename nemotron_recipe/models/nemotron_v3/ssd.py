@@ -155,7 +155,7 @@ def ssd_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Te
     rows = state.view(b * g, (h // g) * p, n)
     rows.addcmul_((x * dt[..., None]).view(b * g, -1, 1), B.float().view(b * g, 1, n))
     y = torch.bmm(C.float().view(b * g, 1, n), rows.transpose(1, 2)).view(b, h, p)
-    return y + x * D.float()[:, None]
+    return torch.addcmul(y, x, D.float()[:, None])
 
 
 def ssd_naive(
