@@ -5,15 +5,16 @@ exports write bf16; other formats and scale layouts are refused naming what was 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL_DIMS, compose_run
+from helpers import REPO, SMALL_DIMS, compose_run
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
+from nemotron_recipe.data.tokenizer import load_tokenizer
 from nemotron_recipe.models.nemotron_v3 import (
     NemotronHConfig,
     NemotronHForCausalLM,
@@ -21,6 +22,7 @@ from nemotron_recipe.models.nemotron_v3 import (
 )
 from nemotron_recipe.models.nemotron_v3.checkpoint import CheckpointError, hf_to_native
 from nemotron_recipe.models.nemotron_v3.fp8_base import keep_fp8_base, read_fp8_weights
+from nemotron_recipe.models.nemotron_v3.fp8_release import write_fp8_release
 from nemotron_recipe.models.nemotron_v3.lora import (
     LoRASpec,
     add_adapters,
@@ -31,40 +33,7 @@ from nemotron_recipe.models.nemotron_v3.lora import (
 from nemotron_recipe.training.finetune import run
 from nemotron_recipe.training.hf_io import load_hf_sharded
 
-FP8_MAX = 448.0  # largest float8_e4m3fn
 CFG = NemotronHConfig(pattern="M*-E", **SMALL_DIMS)
-# NVIDIA's selective recipe keeps attention and lm_head in bf16 (`exclude_modules`).
-EXCLUDED = ("lm_head", "backbone.layers.1.mixer.q_proj", "backbone.layers.1.mixer.k_proj",
-            "backbone.layers.1.mixer.v_proj", "backbone.layers.1.mixer.o_proj")
-QUANTIZED = (".mixer.in_proj.weight", ".mixer.out_proj.weight", ".up_proj.weight", ".down_proj.weight")
-
-
-def write_fp8_release(src: Path, out: Path, quantization: dict | None = None,
-                      scale_shape: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
-    """`src` (a bf16 Hugging Face directory) rewritten as ModelOpt's FP8 export; returns the bf16 weights
-    the definition gives: fp8 * weight_scale."""
-    out.mkdir()
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization or {
-        "quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
-        "exclude_modules": list(EXCLUDED), "producer": {"name": "modelopt", "version": "0.29.0"}}
-    (out / "config.json").write_text(json.dumps(config))
-    tensors, expected = {}, {}
-    for name, w in load_file(str(src / "model.safetensors")).items():
-        module = name.removesuffix(".weight")
-        if name.endswith(QUANTIZED) and module not in EXCLUDED:
-            scale = w.float().abs().amax() / FP8_MAX
-            q = (w.float() / scale).to(torch.float8_e4m3fn)
-            tensors |= {name: q, f"{module}.weight_scale": scale.expand(scale_shape).clone(),
-                        f"{module}.input_scale": torch.tensor(0.02)}
-            expected[name] = (q.to(torch.float32) * scale).to(torch.bfloat16)
-        else:
-            tensors[name] = w
-            expected[name] = w
-    tensors["backbone.layers.1.mixer.k_proj.k_scale"] = torch.tensor(0.5)
-    tensors["backbone.layers.1.mixer.v_proj.v_scale"] = torch.tensor(0.5)
-    save_file(tensors, str(out / "model.safetensors"))
-    return expected
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +48,13 @@ def test_fp8_release_loads_as_the_definitions_bf16_weights(bf16_dir, tmp_path):
     expected = hf_to_native(write_fp8_release(bf16_dir, tmp_path / "fp8"), CFG)
     with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt") as f:
         assert f.get_slice("backbone.layers.0.mixer.in_proj.weight").get_dtype() == "F8_E4M3"
+        assert f.get_slice("backbone.layers.1.mixer.q_proj.weight").get_dtype() == "BF16"
+        assert {n for n in f.keys() if n.endswith(("k_scale", "v_scale"))} == {  # noqa: SIM118 - not a dict
+            "backbone.layers.1.mixer.k_proj.k_scale", "backbone.layers.1.mixer.v_proj.v_scale"}
+    # NVIDIA's selective recipe keeps attention and lm_head in bf16 and lists them in `exclude_modules`.
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
+    assert config["exclude_modules"] == [f"backbone.layers.1.mixer.{p}_proj" for p in "koqv"] + ["lm_head"]
+    assert json.loads((tmp_path / "fp8" / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "FP8"
     model = NemotronHForCausalLM.from_pretrained(str(tmp_path / "fp8")).to(torch.bfloat16)
     sharded = build_meta_model(CFG).to(torch.bfloat16)
     load_hf_sharded(sharded, str(tmp_path / "fp8"), "cpu")  # the training path: read slice by slice
@@ -109,6 +85,32 @@ def test_nvfp4_release_is_refused_naming_the_format(bf16_dir, tmp_path):
     message = str(err.value)
     assert "quantization_config" in message and "'quant_algo': 'NVFP4'" in message and "'group_size': 16" in message
     assert "does not read (NVFP4)" in message and "ModelOpt FP8" in message and "Fix:" in message
+
+
+def test_the_script_writes_a_release_the_recipe_reads(tmp_path, capsys):
+    """scripts/make_fp8_checkpoint.py: the tiny preset in the released layout, with the shipped tokenizer,
+    loads as the bf16 weights it stands for; its NVFP4 variant is refused from the config."""
+    spec = importlib.util.spec_from_file_location("make_fp8_checkpoint", REPO / "scripts" / "make_fp8_checkpoint.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    config = NemotronHConfig.from_preset("tiny")
+    expected = hf_to_native(script.make_fp8_checkpoint(tmp_path / "fp8", seed=3), config)
+    state = NemotronHForCausalLM.from_pretrained(str(tmp_path / "fp8")).to(torch.bfloat16).state_dict()
+    assert state.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name].to(torch.bfloat16), value.to(torch.bfloat16), rtol=0, atol=0, msg=name)
+    tokenizer = load_tokenizer(tmp_path / "fp8")
+    assert len(tokenizer) <= config.vocab_size and tokenizer("red").input_ids
+    with pytest.raises(FileExistsError, match="exists; choose a new directory"):
+        script.make_fp8_checkpoint(tmp_path / "fp8")
+    with pytest.raises(SystemExit, match="holds no .safetensors file; give a bf16 Hugging Face checkpoint"):
+        script.main([str(tmp_path / "none"), "--from", str(tmp_path / "no-checkpoint-here")])
+    assert not (tmp_path / "none").exists()  # a bad source leaves nothing behind
+
+    script.main([str(tmp_path / "nvfp4"), "--quant-algo", "NVFP4"])
+    assert "projections in FP8 with per-tensor scales" in capsys.readouterr().out
+    with pytest.raises(CheckpointError, match=r"'quant_algo': 'NVFP4'.* does not read \(NVFP4\)"):
+        NemotronHForCausalLM.from_pretrained(str(tmp_path / "nvfp4"))
 
 
 def test_an_unknown_fp8_scale_layout_is_refused_naming_the_tensor(bf16_dir, tmp_path):
