@@ -35,6 +35,7 @@ from nemotron_recipe.models.nemotron_v3.checkpoint import (
 from nemotron_recipe.models.hub import resolve_pretrained
 from nemotron_recipe.models.nemotron_v3.config import PRESET_LR, ModelConfigError, NemotronHConfig, matching_preset
 from nemotron_recipe.models.nemotron_v3.lora import DEFAULT_TARGETS, LoRAError, lora_spec_problem
+from nemotron_recipe.models.nemotron_v3.fp8 import quantization_problem
 from nemotron_recipe.models.nemotron_v3.fp8_base import fp8_base_problems
 from nemotron_recipe.models.nemotron_v3.nf4 import nf4_problems
 
@@ -500,8 +501,10 @@ def _input_problems(cfg: Any, weights: bool = True) -> list[str]:
             "run_dir: cannot be resolved. It defaults to Hydra's output directory, which exists only in "
             "a run launched through Hydra. Fix: set run_dir explicitly."
         )
-    if weights and cfg.model.pretrained and (problem := weight_file_problem(Path(cfg.model.pretrained).expanduser())):
-        errors.append(f"model.pretrained={cfg.model.pretrained!r}: {problem}")
+    if weights and cfg.model.pretrained:
+        path = Path(cfg.model.pretrained).expanduser()
+        errors.extend(f"model.pretrained={cfg.model.pretrained!r}: {problem}"
+                      for problem in (weight_file_problem(path), quantization_problem(path)) if problem)
     return errors
 
 

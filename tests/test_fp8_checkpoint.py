@@ -14,6 +14,7 @@ import torch
 from helpers import REPO, SMALL_DIMS, compose_run
 from safetensors import safe_open
 
+from nemotron_recipe.config import validate_config
 from nemotron_recipe.data.tokenizer import load_tokenizer
 from nemotron_recipe.models.nemotron_v3 import (
     NemotronHConfig,
@@ -85,6 +86,9 @@ def test_nvfp4_release_is_refused_naming_the_format(bf16_dir, tmp_path):
     message = str(err.value)
     assert "quantization_config" in message and "'quant_algo': 'NVFP4'" in message and "'group_size': 16" in message
     assert "does not read (NVFP4)" in message and "ModelOpt FP8" in message and "Fix:" in message
+    # The run's config check says the same before any data or weight is read.
+    with pytest.raises(ValueError, match=r"model.pretrained=.*'quant_algo': 'NVFP4'.* does not read \(NVFP4\)"):
+        validate_config(compose_run(tmp_path / "run", f"model.pretrained={tmp_path / 'nvfp4'}", "peft=lora"))
 
 
 def test_the_script_writes_a_release_the_recipe_reads(tmp_path, capsys):

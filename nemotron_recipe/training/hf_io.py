@@ -110,6 +110,7 @@ class _SafetensorsIndex:
                 self.handles[name] = handle
         self.used: set[str] = set()
         self.fp8 = checkpoint_fp8_format(path)  # FP8 weights are read as float32 (fp8.py)
+        self.dequantized: set[str] = set()  # the FP8 tensors read so far
 
     def find(self, native: str) -> str | None:
         """The file name of a native tensor name: released (`backbone.*`) or transformers (`model.*`) layout."""
@@ -125,6 +126,7 @@ class _SafetensorsIndex:
         self.used.add(name)
         piece = self.handles[name].get_slice(name)[tuple(slice(a, b) for a, b in box)]
         if self.fp8 is not None and is_fp8(piece):
+            self.dequantized.add(name)
             piece = self.fp8.dequantize(name, piece, box, self._whole, self.shape(name))
         return piece
 
@@ -208,6 +210,9 @@ def load_hf_sharded(
             local.copy_(value)
 
         unexpected = files.unexpected()
+        if files.fp8 is not None:
+            log.info("FP8 checkpoint (%s): %d weights dequantized (fp8 x scale) as they were read",
+                     files.fp8.source, len(files.dequantized))
     if bad:
         raise CheckpointError(
             f"{path}: tensor shapes differ from the model's (name, file, model): {bad[:6]}"

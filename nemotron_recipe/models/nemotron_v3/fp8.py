@@ -126,6 +126,16 @@ def checkpoint_fp8_format(path: str | Path) -> FP8Format | None:
         "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16.")
 
 
+def quantization_problem(path: str | Path) -> str | None:
+    """Why the quantized checkpoint at `path` cannot be read (its format named, with a fix), or None:
+    the check `checkpoint_fp8_format` makes on load, for a config to run before any heavy work."""
+    try:
+        checkpoint_fp8_format(path)
+    except QuantizedCheckpointError as e:
+        return str(e)
+    return None
+
+
 def is_fp8(t: torch.Tensor) -> bool:
     return t.dtype in FP8_DTYPES
 
