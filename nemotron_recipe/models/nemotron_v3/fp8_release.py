@@ -3,7 +3,8 @@
 The layout is the one `fp8.py` reads and cites: `config.json`'s `quantization_config` and
 `hf_quant_config.json` name ModelOpt FP8; each quantized projection (Mamba `in_proj`/`out_proj`, MLP
 and expert `up_proj`/`down_proj`) is `float8_e4m3fn` with a float32 per-tensor `weight_scale` and an
-`input_scale`; attention and `lm_head` are excluded (kept bf16, listed in `exclude_modules`);
+`input_scale`; attention and `lm_head` are excluded (kept bf16, listed in `exclude_modules`; the
+releases exclude the Mamba layers next to attention too);
 attention layers carry `k_scale`/`v_scale` for an FP8 KV cache. It makes small stand-ins for the
 releases (the weights are not downloadable here): every tensor is held in memory and written to one
 `model.safetensors`, so it is meant for small models.
@@ -25,7 +26,9 @@ KV_SCALE = 0.5
 
 
 def excluded_modules(names: list[str]) -> list[str]:
-    """The modules NVIDIA's selective FP8 recipe keeps in bf16: `lm_head` and every attention projection."""
+    """The modules a stand-in keeps in bf16: `lm_head` and every attention projection. (The releases'
+    selective recipe also keeps the Mamba layers next to attention in bf16; the loader reads whatever
+    `exclude_modules` lists, so a stand-in need not follow it.)"""
     modules = (n.removesuffix(".weight") for n in names if n.endswith(".weight"))
     return sorted(m for m in modules if m == "lm_head" or m.endswith(ATTENTION))
 
