@@ -15,7 +15,13 @@ import logging
 import sys
 from pathlib import Path
 
-from nemotron_recipe.evaluation.tasks import EvalError, parse_tasks, prepare_network, require_lm_eval
+# Before anything imports torch: OpenMP reads its thread settings once, when torch loads it, and on
+# cores other jobs share its spinning threads make decoding steps many times slower.
+from nemotron_recipe.training.threads import choose_threads
+
+choose_threads()
+
+from nemotron_recipe.evaluation.tasks import EvalError, parse_tasks, prepare_network, require_lm_eval  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:

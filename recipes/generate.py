@@ -20,6 +20,12 @@ import logging
 import sys
 from pathlib import Path
 
+# Before anything imports torch: OpenMP reads its thread settings once, when torch loads it, and on
+# cores other jobs share its spinning threads make decoding steps many times slower.
+from nemotron_recipe.training.threads import choose_threads
+
+choose_threads()
+
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 

@@ -22,10 +22,11 @@ def test_choice_sets_passive_waits_only_where_unset():
         assert choose_threads(env).wait_policy is None and env == given
 
 
-def test_recipe_chooses_before_torch_loads_openmp():
-    """In a process that imports the recipe, OpenMP came up passive and torch kept its thread count; the
-    user's own settings pass through."""
-    code = ("import os, recipes.finetune, torch; "
+@pytest.mark.parametrize("recipe", ["finetune", "generate", "evaluate"])
+def test_recipe_chooses_before_torch_loads_openmp(recipe):
+    """In a process that imports a recipe that computes (training, decoding), OpenMP came up passive and
+    torch kept its thread count; the user's own settings pass through."""
+    code = (f"import os, recipes.{recipe}, torch; "
             "print(torch.get_num_threads(), os.environ.get('OMP_WAIT_POLICY'), torch.__config__.parallel_info())")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "NR_THREADS")}
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
