@@ -532,6 +532,7 @@ def validate_config(cfg: Any, world_size: int | None = None, *,
     errors += _peft_problems(cfg)
     errors += _objective_problems(cfg)
     errors += _eval_problems(cfg)
+    errors += pipeline_problems(cfg)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     model_config = build_model_config(cfg.model)
@@ -632,6 +633,23 @@ def adapter_problem(path: Path) -> str | None:
     if problem := safetensors_file_problem(weights):
         return f"{problem}. Fix: copy or export the adapter again; its weights file is incomplete."
     return None
+
+
+def pipeline_problems(cfg: Any) -> list[str]:
+    """Settings a pipeline-parallel run (mesh.pp > 1) cannot train with, each naming its field and a fix;
+    checked with the rest of the config, on every rank before any process group or model exists."""
+    pp = int(getattr(cfg.mesh, "pp", 1))
+    if pp <= 1:
+        return []
+    problems = []
+    if cfg.objective.name != "sft":
+        problems.append(f"objective.name={cfg.objective.name} with mesh.pp={pp}: a pipeline trains the sft objective "
+                        "only (DPO's reference forward and its pair loss are not run through the stages). Fix: "
+                        "objective=sft, or mesh.pp=1 with FSDP/TP to fit the model.")
+    if cfg.trainer.compile:
+        problems.append(f"trainer.compile=true with mesh.pp={pp}: compiling pipeline stages is not supported. "
+                        "Fix: trainer.compile=false.")
+    return problems
 
 
 def _objective_problems(cfg: Any) -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -22,10 +23,9 @@ import pytest
 from helpers import REPO, RUN_BASE, SMALL_DIMS, compose_run, metrics_rows
 from safetensors.torch import load_file
 
-from nemotron_recipe.config import build_model_config
+from nemotron_recipe.config import ConfigError, build_model_config, pipeline_problems, validate_config
 from nemotron_recipe.training.finetune import run
 from nemotron_recipe.training.hf_io import export_hf
-from nemotron_recipe.training.pipeline.limits import pipeline_problems
 from nemotron_recipe.training.pipeline.split import equal_starts, plan_split
 
 WORKER = REPO / "tests" / "distributed" / "pipeline_worker.py"
@@ -273,3 +273,5 @@ def test_pipeline_refuses_what_it_cannot_run(tmp_path):
         problems = pipeline_problems(compose_run(tmp_path, *BASE, "mesh=pp2", *overrides))
         assert len(problems) == 1 and problems[0].startswith(field) and "Fix:" in problems[0], problems
         assert pipeline_problems(compose_run(tmp_path, *BASE, *overrides)) == []  # without a pipeline: fine
+        with pytest.raises(ConfigError, match=re.escape(field)):  # the config check says so, as for every field
+            validate_config(compose_run(tmp_path, *BASE, "mesh=pp2", *overrides), world_size=2)

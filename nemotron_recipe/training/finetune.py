@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from nemotron_recipe.config import ConfigError, validate_config
+from nemotron_recipe.config import validate_config
 from nemotron_recipe.data import ChatFormatter, GlobalBatchPlan
 from nemotron_recipe.data.preference import PreferencePairs
 from nemotron_recipe.distributed.env import DistEnv, distributed
@@ -48,7 +48,6 @@ from nemotron_recipe.training.lora import (
 from nemotron_recipe.training.objectives import Objective, StepSums, build_objective
 from nemotron_recipe.training.nonfinite import NonFiniteGuard
 from nemotron_recipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
-from nemotron_recipe.training.pipeline.limits import pipeline_problems
 from nemotron_recipe.training.pipeline.runtime import build_pipeline
 from nemotron_recipe.training.pipeline.schedule import MicroBatchLoop
 from nemotron_recipe.training.planner.preflight import preflight
@@ -508,8 +507,6 @@ def run(cfg: Any) -> dict[str, Any]:
     """Fine-tune as `cfg` (a `FinetuneConfig`-shaped DictConfig) says; returns the summary."""
     started = time.perf_counter()
     model_config, plan = validate_config(cfg)
-    if problems := pipeline_problems(cfg):
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     # Before any process group or model: every rank plans its own launch, so all stop alike.
     preflight(cfg, (model_config, plan), plan.world_size)
     with distributed(cfg.trainer.device) as env:
