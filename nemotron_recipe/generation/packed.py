@@ -3,11 +3,12 @@
 A decoding step multiplies a handful of rows (the batch) by each weight: the time goes to reading the
 weights, and how fast a kernel streams them decides the step. On CPU, oneDNN's linear with its
 weight reordered ahead of time (the layout inductor's weight prepacking uses) streams the weights
-faster than `F.linear`: on two cores of an AMD EPYC, at one row, bf16 weights at 46-70 GB/s against
-20-24 GB/s and fp32 weights at 29-77 GB/s against MKL's 15-38 GB/s, over the h1024 benchmark's
-projection shapes (benchmarks/decode.py measures the effect on whole generations). The reordered copies exist only inside `packed_linears`; they cost as
-many bytes as the weights they mirror: by default they are made only where they take at most half
-the memory still free, and `GenerationConfig.prepack_weights=False` turns them off.
+faster than `F.linear`: on two idle cores of an AMD EPYC, one row through all of the h1024 benchmark's
+projections (out of cache) ran at 22 GB/s in fp32 against MKL's 15 GB/s, and bf16 projections, in
+cache, at 46-70 GB/s against 20-24 GB/s (benchmarks/decode.py measures the effect on whole
+generations). The reordered copies exist only inside `packed_linears`; they cost as many bytes as the
+weights they mirror: by default they are made only where they take at most half the memory still
+free, and `GenerationConfig.prepack_weights=False` turns them off.
 
 Every plain `nn.Linear` of the model (the LM head and the bases of unmerged LoRA projections
 included, the adapters running as before) is taken whose weight is an ordinary CPU tensor in fp32 or

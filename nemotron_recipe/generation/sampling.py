@@ -28,7 +28,8 @@ class GenerationConfig:
     max_length: the most positions (prompt plus new tokens) the model may take; None: no limit.
     prepack_weights: run the linear layers on weights reordered for oneDNN once per call (packed.py),
         a copy as large as those weights that makes CPU decoding steps faster; None: where it pays
-        (CPU, bf16 and fp32, when the copy takes at most half the free memory), True: wherever oneDNN runs, False: never.
+        (CPU, bf16 and fp32) and the copy takes at most half the free memory, True: wherever oneDNN
+        runs, False: never.
     """
 
     max_new_tokens: int = 128
