@@ -235,3 +235,23 @@ def test_bf16_gradients_as_accurate_as_transformers_in_bf16(hf_pair):
             # each entry, either way by 2x (measured 1e-2 to 7e-2 for both models).
             assert ours_err <= max(5e-2, 1.5 * theirs_err), msg
     assert worst > 0
+
+
+def test_time_step_limit_is_config_jsons_and_released_models_set_none():
+    """dt is clamped to config.json's `time_step_limit` (either spelling of infinity, or the older
+    `mamba_dt_limit`), not floored at `time_step_min`, which only sets the range dt_bias is drawn in:
+    a dt far below time_step_min passes unclamped under (0, inf); a bad limit names the field."""
+    from nemotron_recipe.models.nemotron_v3.ssd import discretize_dt
+
+    base = NemotronHConfig.from_preset("tiny").to_hf_dict()
+    base.pop("time_step_limit")
+    assert NemotronHConfig.from_hf(base).time_step_limit == (0.0, float("inf"))
+    for key, spelled in (("time_step_limit", [0.0, {"__float__": "Infinity"}]), ("mamba_dt_limit", [1e-3, 0.1])):
+        cfg = NemotronHConfig.from_hf(json.loads(json.dumps({**base, key: spelled})))
+        assert cfg.time_step_limit == ((0.0, float("inf")) if key == "time_step_limit" else (1e-3, 0.1))
+    low = torch.tensor([-20.0, 0.0, 20.0])
+    unclamped = discretize_dt(low, torch.zeros(3), (0.0, float("inf")))
+    assert unclamped[0] < 1e-8 and torch.equal(unclamped, torch.nn.functional.softplus(low))
+    assert discretize_dt(low, torch.zeros(3), (1e-3, 0.1)).tolist() == pytest.approx([1e-3, 0.1, 0.1])
+    with pytest.raises(ModelConfigError, match=r"model.time_step_limit=\(0.5, 0.1\)"):
+        NemotronHConfig.from_hf({**base, "time_step_limit": [0.5, 0.1]})

@@ -289,13 +289,18 @@ def verify_checksums(path: Path, meta: dict[str, Any]) -> None:
             )
 
 
+def _as_json(values: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(values))
+
+
 def check_model_config(path: Path, meta: dict[str, Any], model_config: NemotronHConfig) -> None:
     """Refuse a checkpoint of another model before any tensor is read. A field added to the model config
     after the checkpoint was saved counts as its default (the only value models had then); the dtypes of
     the weight files a model came from are not part of what it is."""
     defaults = {f.name: f.default for f in dataclasses.fields(NemotronHConfig) if f.default is not dataclasses.MISSING}
-    saved = {k: v for k, v in ({**defaults, **meta["model"]}).items() if k != "weight_dtypes"}
-    ours = {k: v for k, v in dataclasses.asdict(model_config).items() if k != "weight_dtypes"}
+    # Both sides as meta.json holds them (tuples as lists), so that only values are compared.
+    saved = {k: v for k, v in _as_json({**defaults, **meta["model"]}).items() if k != "weight_dtypes"}
+    ours = {k: v for k, v in _as_json(dataclasses.asdict(model_config)).items() if k != "weight_dtypes"}
     diffs = {k: (saved.get(k), v) for k, v in ours.items() if saved.get(k) != v}
     diffs |= {k: (saved[k], None) for k in saved.keys() - ours.keys()}
     if diffs:

@@ -58,6 +58,9 @@ class NemotronHConfig:
     time_step_min: float = 0.001
     time_step_max: float = 0.1
     time_step_floor: float = 1e-4
+    # The bounds dt is clamped to after softplus, at run time (config.json's `time_step_limit`; the
+    # released models: no bound). `time_step_min`/`max`/`floor` only set the range dt_bias is drawn in.
+    time_step_limit: tuple[float, float] = (0.0, math.inf)
     # MoE (Nemotron 3).
     n_routed_experts: int = 8
     num_experts_per_tok: int = 2
@@ -89,6 +92,7 @@ class NemotronHConfig:
     weight_dtypes: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
+        self.time_step_limit = _float_pair(self.time_step_limit)
         self.validate()
 
     # ---------------------------------------------------------------- derived sizes
@@ -148,6 +152,10 @@ class NemotronHConfig:
             if getattr(self, field) <= 0:
                 fail(field, getattr(self, field), "must be positive", "set a positive integer")
         self._validate_latent_and_mtp(fail)
+        limit = self.time_step_limit
+        if not (isinstance(limit, tuple) and len(limit) == 2 and 0.0 <= limit[0] <= limit[1]):
+            fail("time_step_limit", limit, "must be two ordered, non-negative bounds for dt",
+                 "give [low, high], e.g. [0.0, Infinity] (no bound, as the released models)")
         kinds = self.pattern + (self.mtp_pattern if self.num_nextn_predict_layers else "")
         if "*" in kinds and self.num_attention_heads % self.num_key_value_heads:
             fail(
@@ -266,6 +274,7 @@ class NemotronHConfig:
             "time_step_min": "mamba_dt_min",
             "time_step_max": "mamba_dt_max",
             "time_step_floor": "mamba_dt_init_floor",
+            "time_step_limit": "mamba_dt_limit",
             "head_dim": "attention_head_dim",
         }
         kwargs: dict[str, Any] = {"pattern": pattern}
@@ -301,6 +310,16 @@ class NemotronHConfig:
             mtp_hybrid_override_pattern=self.mtp_pattern,
         )
         return out
+
+
+def _float_pair(value: Any) -> tuple[float, float] | Any:
+    """(low, high) as floats from a JSON list, where transformers may spell infinity
+    `{"__float__": "Infinity"}`; anything else is left for `validate` to name."""
+    try:
+        low, high = (float(v["__float__"]) if isinstance(v, dict) else float(v) for v in value)
+    except (TypeError, ValueError, KeyError):
+        return value
+    return (low, high)
 
 
 def _mtp_pattern_from_hf(hf: dict[str, Any]) -> str | None:

@@ -127,7 +127,7 @@ class Mamba2Mixer(_KeepFP32, nn.Module):
         self.d_group = self.heads_per_group * p
         self.conv_group = self.d_group + 2 * n
         self.chunk_size = config.chunk_size
-        self.dt_min = config.time_step_min
+        self.dt_limit = config.time_step_limit
 
         self.in_proj = nn.Linear(config.hidden_size, g * (self.d_group + self.conv_group + self.heads_per_group),
                                  bias=config.use_bias)
@@ -185,7 +185,7 @@ class Mamba2Mixer(_KeepFP32, nn.Module):
             xbc = F.silu(xbc).transpose(1, 2)
         x, B, C = xbc.unflatten(-1, (g, -1)).split([r * self.head_dim, self.state_size, self.state_size], dim=-1)
 
-        dt = discretize_dt(dt.flatten(2), dt_bias, self.dt_min)
+        dt = discretize_dt(dt.flatten(2), dt_bias, self.dt_limit)
         x = x.unflatten(-1, (r, self.head_dim)).flatten(2, 3)
         if self.fast_ops:  # the scan writes its result in the model's dtype: no fp32 copy to cast
             y = ssd_scan(x, dt, -torch.exp(A_log.float()), B, C, D, self.chunk_size, document_ids, xbc.dtype)
@@ -211,7 +211,7 @@ class Mamba2Mixer(_KeepFP32, nn.Module):
         document_ids = cache.document_ids(l)
         xbc = causal_conv1d_silu(flat, weight, bias, document_ids)
         x, B, C = xbc.unflatten(-1, (g, -1)).split([r * self.head_dim, self.state_size, self.state_size], dim=-1)
-        dt = discretize_dt(dt.flatten(2), dt_bias, self.dt_min)
+        dt = discretize_dt(dt.flatten(2), dt_bias, self.dt_limit)
         y, state = ssd_scan_final_state(x.unflatten(-1, (r, self.head_dim)).flatten(2, 3), dt,
                                         -torch.exp(A_log.float()), B, C, D, self.chunk_size, document_ids)
         cache.layers[layer] = MambaState(conv=window, ssm=state)
@@ -229,7 +229,7 @@ class Mamba2Mixer(_KeepFP32, nn.Module):
         state = cache.layers[layer]
         xbc = conv_step_silu(xbc.flatten(1), state.conv, weight, bias)
         x, B, C = xbc.unflatten(-1, (g, -1)).split([r * self.head_dim, self.state_size, self.state_size], dim=-1)
-        dt = discretize_dt(dt.flatten(1), dt_bias, self.dt_min)
+        dt = discretize_dt(dt.flatten(1), dt_bias, self.dt_limit)
         y = ssm_step(state.ssm, x.reshape(b, g * r, self.head_dim), dt, A, B, C, D)
         return y.to(xbc.dtype).view(b, 1, g, r * self.head_dim)
 

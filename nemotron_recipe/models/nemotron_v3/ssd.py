@@ -11,13 +11,20 @@ The recurrence, per head, with dt already softplus'ed:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 
-def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_min: float) -> torch.Tensor:
-    """softplus(dt + bias), floored at `dt_min` (the released models' time-step limit), in fp32."""
-    return F.softplus(dt.float() + dt_bias.float()).clamp(min=dt_min)
+def discretize_dt(dt: torch.Tensor, dt_bias: torch.Tensor, limit: tuple[float, float]) -> torch.Tensor:
+    """softplus(dt + bias) clamped to `limit` (the config's `time_step_limit`), in fp32. The released
+    models set no bound, (0, inf): softplus is already positive, so nothing is clamped."""
+    dt = F.softplus(dt.float() + dt_bias.float())
+    low, high = limit
+    if low > 0.0 or high < math.inf:
+        dt = dt.clamp(min=low, max=high)
+    return dt
 
 
 def ssd_chunked(
