@@ -19,6 +19,10 @@ set during our timed generation of the last round above the resident set before 
 which counts the cache together with the prefill's activations and the logits (on CUDA: the
 allocator's peak during that generation above its start).
 
+With `--compile`, ours runs its batch-1 generations with `GenerationConfig(compile=True)` (one-row
+steps compiled, `nemotron_recipe/generation/compiled.py`; the compile happens in the warmup); its rows
+say "ours compiled". Batches of several rows run as without it.
+
 Ours runs as `generate` does by default: on CPU its linear layers use weights reordered for oneDNN
 where that pays (`nemotron_recipe/generation/packed.py`); the reordering is part of each call's
 prefill time.
@@ -83,8 +87,9 @@ def _tensor_bytes(obj, seen: set[int] | None = None, depth: int = 0) -> int:
     return sum(_tensor_bytes(v, seen, depth + 1) for v in items)
 
 
-def _ours(model, prompts: list[list[int]], new: int) -> None:
-    generate(model, prompts, GenerationConfig(max_new_tokens=new, eos_token_ids=(), batch_size=len(prompts)))
+def _ours(model, prompts: list[list[int]], new: int, compile: bool = False) -> None:
+    generate(model, prompts, GenerationConfig(max_new_tokens=new, eos_token_ids=(), batch_size=len(prompts),
+                                              compile=compile))
 
 
 def _theirs(model, ids: torch.Tensor, new: int) -> None:
@@ -141,12 +146,14 @@ def bench(args, path: Path, dtype_name: str, batch: int) -> str:
         times[key].append(wall)
         cpu[key].append(proc)
 
+    compiled = args.compile and batch == 1  # `compile` leaves batches of several rows eager
     with torch.no_grad():
-        _ours(ours, prompts, 2)  # warmup
+        _ours(ours, prompts, 2, compiled)  # warmup (and the compile)
         _theirs(theirs, ids, 2)
         for _ in range(args.rounds):
-            for key, fn in (("ours1", lambda: _ours(ours, prompts, 1)), ("theirs1", lambda: _theirs(theirs, ids, 1)),
-                            ("oursN", lambda: _ours(ours, prompts, args.new_tokens)),
+            for key, fn in (("ours1", lambda: _ours(ours, prompts, 1, compiled)),
+                            ("theirs1", lambda: _theirs(theirs, ids, 1)),
+                            ("oursN", lambda: _ours(ours, prompts, args.new_tokens, compiled)),
                             ("theirsN", lambda: _theirs(theirs, ids, args.new_tokens))):
                 if key == "oursN":
                     growth = _peak_growth(functools.partial(times_of, key, fn), device)
@@ -159,7 +166,8 @@ def bench(args, path: Path, dtype_name: str, batch: int) -> str:
     cpu_ratio = (med_cpu["theirsN"] - med_cpu["theirs1"]) / max(med_cpu["oursN"] - med_cpu["ours1"], 1e-9)
     ours_cache, formula, theirs_cache = _cache_sizes(ours, theirs, ids, args.new_tokens)
     command = "python -m benchmarks.decode " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    row = (f"| {measured()} | {device_name(device)} | {args.preset} | {dtype_name} | "
+    config = f"{args.preset}, ours compiled" if compiled else args.preset
+    row = (f"| {measured()} | {device_name(device)} | {config} | {dtype_name} | "
            f"{batch} x {args.prompt_len} + {args.new_tokens} | {med['ours1']:.3f} / {med['theirs1']:.3f} | "
            f"{ours_tps:,.1f} | {theirs_tps:,.1f} | {ours_tps / theirs_tps:.2f}x (cpu {cpu_ratio:.2f}x) | "
            f"{_mib(ours_cache)} ({_mib(formula)}) | {_mib(theirs_cache)} | "
@@ -178,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--compile", action="store_true",
+                   help="ours with GenerationConfig(compile=True): compiled one-row steps (batch 1 only)")
     p.add_argument("--no-record", dest="record", action="store_false")
     args = p.parse_args(argv)
     import transformers

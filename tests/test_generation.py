@@ -1,6 +1,7 @@
 """Incremental decoding: the cache against recomputing the whole sequence, sampling, stopping and errors."""
 
 import contextlib
+import importlib
 import os
 
 import pytest
@@ -130,6 +131,62 @@ def test_reordered_weights_decode_as_the_linears_compute(monkeypatch):
         monkeypatch.setattr(os, "sysconf", lambda name, free=free: free // page if name == "SC_AVPHYS_PAGES" else page)
         with packed_linears(model, 1) as n:
             assert n == expected
+
+
+def test_compiled_one_row_steps_decode_as_the_eager_steps(monkeypatch, caplog):
+    """With `compile`, one-row steps of the Mamba2 and MLP blocks (biases on) run compiled: 16 cached
+    steps give the logits of recomputing the whole sequence (1e-5, fp32) and `generate` the eager
+    ids. Attention, MoE and LoRA-adapted blocks stay eager, nothing stays patched, batches of several
+    rows are not compiled, and a compiler failure decodes eagerly with a warning."""
+    from nemotron_recipe.generation import compiled
+
+    generate_module = importlib.import_module("nemotron_recipe.generation.generate")  # the package's `generate` is the function
+    model = _model(use_bias=True, mlp_bias=True)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("proj.bias"):
+                p.normal_(std=0.1)
+    blocks = list(model.model.layers)
+    taken, calls = [], []
+    real_compiled = compiled._compiled
+    monkeypatch.setattr(compiled, "_compiled", lambda fn: calls.append(fn.__name__) or real_compiled(fn))
+
+    @contextlib.contextmanager
+    def compiled_decoding():
+        with compiled.compiled_steps(model, True) as linears:
+            taken.append(linears)
+            yield
+
+    assert _worst_step_error(model, _prompts([13]), 16, compiled_decoding) <= 1e-5
+    expected = [lin for b in blocks if b.block_type in ("mamba", "mlp")
+                for lin in ((b.mixer.in_proj, b.mixer.out_proj) if b.block_type == "mamba"
+                            else (b.mixer.up_proj, b.mixer.down_proj))]
+    assert taken == [expected] and not any("forward" in vars(b) for b in blocks)
+    assert calls.count("_mamba_block_step") == 2 * 16 and calls.count("_mlp_block_step") == 16  # every step compiled
+    with compiled.compiled_steps(_lora_model(), True) as linears:
+        assert linears == []  # adapted projections keep the LoRA modules' own path
+
+    prompt = _prompts([11])
+    eager_ids, compiled_ids = ([r.completion_ids for r in generate(model, prompt, GenerationConfig(
+        max_new_tokens=12, compile=c))] for c in (False, True))
+    assert compiled_ids == eager_ids
+
+    enabled = []
+    real = generate_module.compiled_steps
+    monkeypatch.setattr(generate_module, "compiled_steps", lambda m, on: enabled.append(on) or real(m, on))
+    generate(model, _prompts([5, 7]), GenerationConfig(max_new_tokens=2, compile=True))
+    generate(model, _prompts([5, 7]), GenerationConfig(max_new_tokens=2, compile=True, batch_size=1))
+    assert enabled == [False, True]
+
+    def broken(fn):
+        def fail(*args):
+            raise RuntimeError("no C++ compiler")
+        return fail
+
+    monkeypatch.setattr(compiled, "_compiled", broken)
+    with caplog.at_level("WARNING"):
+        ids = [r.completion_ids for r in generate(model, prompt, GenerationConfig(max_new_tokens=12, compile=True))]
+    assert ids == eager_ids and "no C++ compiler" in caplog.text and "decoding eagerly" in caplog.text
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

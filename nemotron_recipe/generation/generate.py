@@ -9,6 +9,7 @@ import torch
 
 from nemotron_recipe.models.nemotron_v3.cache import DecodeCache
 
+from .compiled import compiled_steps
 from .packed import packed_linears
 from .sampling import GenerationConfig, GenerationError, next_tokens, row_generators
 
@@ -38,7 +39,8 @@ def generate(
     batch. Each batch is prefilled in one forward, then decoded one token a step with the cached
     conv windows, SSM states and attention keys/values; rows that finish leave the batch. The model
     runs in eval mode and without gradients (its mode is restored after); MTP layers never run. On
-    CPU its linear layers run on weights reordered once per call (packed.py, `config.prepack_weights`).
+    CPU its linear layers run on weights reordered once per call (packed.py, `config.prepack_weights`),
+    and with `config.compile` one-row steps run compiled (compiled.py).
 
     `tokenizer` (a transformers tokenizer) decodes `text`, gives the default EOS and is needed for
     `config.stop_strings` and `stream`. `stream(index, delta)` receives each prompt's text as it
@@ -60,7 +62,9 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), packed_linears(model, min(config.batch_size, len(prompts)), config.prepack_weights):
+        rows = min(config.batch_size, len(prompts))
+        with torch.no_grad(), compiled_steps(model, config.compile and rows == 1) as compiled, \
+                packed_linears(model, rows, config.prepack_weights, skip=compiled):
             for start in range(0, len(order), config.batch_size):
                 batch = order[start:start + config.batch_size]
                 for i, result in zip(batch, _generate_batch(model, [prompts[i] for i in batch], batch, config,

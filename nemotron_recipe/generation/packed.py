@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 from torch import nn
@@ -76,14 +76,17 @@ def _packed_forward(module: nn.Linear, packed: torch.Tensor):
 
 
 @contextlib.contextmanager
-def packed_linears(model: nn.Module, batch: int, enabled: bool | None = None) -> Iterator[int]:
-    """Inside: the model's linear layers run on weights reordered for `batch` rows (see the module
-    docstring); yields how many were taken. `enabled` None decides by `packing_pays` on the LM head's
-    device and dtype, and by `copy_fits` on the copies' bytes; False takes none; True takes every one
-    it can (none where oneDNN is missing)."""
+def packed_linears(model: nn.Module, batch: int, enabled: bool | None = None,
+                   skip: Collection[nn.Module] = ()) -> Iterator[int]:
+    """Inside: the model's linear layers, those in `skip` aside, run on weights reordered for `batch`
+    rows (see the module docstring); yields how many were taken. `enabled` None decides by
+    `packing_pays` on the LM head's device and dtype, and by `copy_fits` on the copies' bytes; False
+    takes none; True takes every one it can (none where oneDNN is missing)."""
     head = getattr(model, "lm_head", None)
     weight = getattr(head, "weight", None)
-    taken = [m for m in model.modules() if _packable(m)] if enabled is not False and packing_available() else []
+    skipped = {id(m) for m in skip}
+    taken = [m for m in model.modules() if _packable(m) and id(m) not in skipped] \
+        if enabled is not False and packing_available() else []
     if enabled is None and not (weight is not None and packing_pays(weight.device, weight.dtype)
                                 and copy_fits(sum(m.weight.nbytes for m in taken))):
         taken = []

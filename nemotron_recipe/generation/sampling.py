@@ -30,6 +30,9 @@ class GenerationConfig:
         a copy as large as those weights that makes CPU decoding steps faster; None: where it pays
         (CPU, bf16 and fp32) and the copy takes at most half the free memory, True: wherever oneDNN
         runs, False: never.
+    compile: decode one row at a time (batch_size 1, or one prompt) with each Mamba2 and MLP block's
+        step compiled by torch.compile on CPU (compiled.py): faster steps after a compile of some
+        seconds at the first step; batches of several rows run eagerly.
     """
 
     max_new_tokens: int = 128
@@ -43,6 +46,7 @@ class GenerationConfig:
     batch_size: int = 8
     max_length: int | None = None
     prepack_weights: bool | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         checks = [

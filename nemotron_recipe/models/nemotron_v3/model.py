@@ -217,21 +217,36 @@ class Mamba2Mixer(_KeepFP32, nn.Module):
         cache.layers[layer] = MambaState(conv=window, ssm=state)
         return y.to(xbc.dtype).unflatten(2, (g, r)).flatten(-2)
 
-    def _step(self, xbc: torch.Tensor, dt: torch.Tensor, cache: DecodeCache, layer: int) -> torch.Tensor:
-        """One new token per row: xbc [b,1,g,r*p+2n], dt [b,1,g,r] -> y [b,1,g,r*p]."""
-        b, _, g = xbc.shape[:3]
-        r = dt.shape[-1]
+    def step_constants(self, cache: DecodeCache, layer: int, dtype: torch.dtype) -> tuple:
+        """What this block's decoding steps take from its weights, made at the cache's first step (the
+        weights do not change while one cache decodes): the conv's weight and bias as `conv_step_silu`
+        takes them for inputs of `dtype`, A = -exp(A_log), D and dt_bias, in fp32."""
         if cache.step_constants[layer] is None:
             weight, bias, A_log, D, dt_bias = self._ssm_params()
-            cache.step_constants[layer] = (*conv_step_weights(weight, bias, xbc.dtype), -torch.exp(A_log.float()),
+            cache.step_constants[layer] = (*conv_step_weights(weight, bias, dtype), -torch.exp(A_log.float()),
                                            D.float(), dt_bias.float())
-        weight, bias, A, D, dt_bias = cache.step_constants[layer]
+        return cache.step_constants[layer]
+
+    def _step(self, xbc: torch.Tensor, dt: torch.Tensor, cache: DecodeCache, layer: int) -> torch.Tensor:
         state = cache.layers[layer]
-        xbc = conv_step_silu(xbc.flatten(1), state.conv, weight, bias)
-        x, B, C = xbc.unflatten(-1, (g, -1)).split([r * self.head_dim, self.state_size, self.state_size], dim=-1)
-        dt = discretize_dt(dt.flatten(1), dt_bias, self.dt_limit)
-        y = ssm_step(state.ssm, x.reshape(b, g * r, self.head_dim), dt, A, B, C, D)
-        return y.to(xbc.dtype).view(b, 1, g, r * self.head_dim)
+        return mamba_step(xbc, dt, state.conv, state.ssm, self.step_constants(cache, layer, xbc.dtype),
+                          self.head_dim, self.state_size, self.dt_limit)
+
+
+def mamba_step(xbc: torch.Tensor, dt: torch.Tensor, window: torch.Tensor, state: torch.Tensor, constants: tuple,
+               head_dim: int, state_size: int, dt_limit: tuple[float, float]) -> torch.Tensor:
+    """One new token per row through the conv and the scan: xbc [b,1,g,r*p+2n], dt [b,1,g,r] -> y
+    [b,1,g,r*p]. `window` and `state` (a `MambaState`'s) are updated in place; `constants` come from
+    `Mamba2Mixer.step_constants`. Tensors and numbers only, so compiled decoding
+    (generation/compiled.py) runs this same code."""
+    b, _, g = xbc.shape[:3]
+    r = dt.shape[-1]
+    weight, bias, A, D, dt_bias = constants
+    xbc = conv_step_silu(xbc.flatten(1), window, weight, bias)
+    x, B, C = xbc.unflatten(-1, (g, -1)).split([r * head_dim, state_size, state_size], dim=-1)
+    dt = discretize_dt(dt.flatten(1), dt_bias, dt_limit)
+    y = ssm_step(state, x.reshape(b, g * r, head_dim), dt, A, B, C, D)
+    return y.to(xbc.dtype).view(b, 1, g, r * head_dim)
 
 
 class Attention(nn.Module):
