@@ -301,6 +301,8 @@ def test_bad_settings_are_named():
         GenerationConfig(top_p=1.5)
     with pytest.raises(GenerationError, match="temperature=0"):
         GenerationConfig(temperature=0)
+    with pytest.raises(GenerationError, match="compile='yes'"):
+        GenerationConfig(compile="yes")
 
 
 def _fake_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):

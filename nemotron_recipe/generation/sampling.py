@@ -30,9 +30,9 @@ class GenerationConfig:
         a copy as large as those weights that makes CPU decoding steps faster; None: where it pays
         (CPU, bf16 and fp32) and the copy takes at most half the free memory, True: wherever oneDNN
         runs, False: never.
-    compile: decode one row at a time (batch_size 1, or one prompt) with each Mamba2 and MLP block's
-        step compiled by torch.compile on CPU (compiled.py): faster steps after a compile of some
-        seconds at the first step; batches of several rows run eagerly.
+    compile: where one row decodes at a time (batch_size 1, or a single prompt), on CPU, run each
+        Mamba2 and MLP block's step compiled by torch.compile (compiled.py): faster steps after a
+        compile of some seconds at the first one. Batches of several rows are not compiled.
     """
 
     max_new_tokens: int = 128
@@ -59,6 +59,7 @@ class GenerationConfig:
              "a positive integer"),
             ("max_length", self.max_length, self.max_length is None or self.max_length >= 1,
              "a positive integer or None"),
+            ("compile", self.compile, isinstance(self.compile, bool), "True or False"),
         ]
         for field, value, ok, fix in checks:
             if not ok:
