@@ -27,6 +27,10 @@ Ours runs as `generate` does by default: on CPU its linear layers use weights re
 where that pays (`nemotron_recipe/generation/packed.py`); the reordering is part of each call's
 prefill time.
 
+Both sides run with OpenMP's default thread waits (spinning a while before sleeping), as a process
+that sets nothing does; `recipes.generate` sets passive waits unless told otherwise, which on an idle
+machine makes one-row steps slower (docs/generation.md, "Speed and memory").
+
 Each run appends its rows to benchmarks/RESULTS.md with the exact command (`--no-record` to skip).
 """
 

@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--compile", action="store_true",
                    help="compile the one-row decoding steps (CPU, --batch-size 1): faster steps after a compile "
-                        "of some seconds")
+                        "of some seconds; on an idle machine OMP_WAIT_POLICY=ACTIVE speeds them up further")
     p.add_argument("--base", help="the base model directory of a PEFT adapter (default: the one it names)")
     p.add_argument("--tokenizer", help="a tokenizer directory or tokenizer.json (default: the model's)")
     p.add_argument("--json", action="store_true", help="print a JSON list of results instead of streaming text")
