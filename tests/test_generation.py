@@ -140,7 +140,8 @@ def test_compiled_one_row_steps_decode_as_the_eager_steps(monkeypatch, caplog):
     rows are not compiled, and a compiler failure decodes eagerly with a warning."""
     from nemotron_recipe.generation import compiled
 
-    generate_module = importlib.import_module("nemotron_recipe.generation.generate")  # the package's `generate` is the function
+    # The package's `generate` is the function; its module is reached by name.
+    generate_module = importlib.import_module("nemotron_recipe.generation.generate")
     model = _model(use_bias=True, mlp_bias=True)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -122,7 +122,8 @@ class _Steps:
     def _step(block: Block, x: torch.Tensor, cache, layer: int) -> torch.Tensor:
         m = block.mixer
         if block.block_type == "mlp":
-            weights = _weights(block.norm.weight, m.up_proj.weight, m.up_proj.bias, m.down_proj.weight, m.down_proj.bias)
+            weights = _weights(block.norm.weight, m.up_proj.weight, m.up_proj.bias, m.down_proj.weight,
+                               m.down_proj.bias)
             return _compiled(_mlp_block_step)(x, weights, block.norm.eps)
         state = cache.layers[layer]
         weights = _weights(block.norm.weight, m.in_proj.weight, m.in_proj.bias, m.norm.weight, m.out_proj.weight,
