@@ -32,6 +32,8 @@ from torch import nn
 from nemotron_recipe.models.nemotron_v3.model import Block, mamba_step
 from nemotron_recipe.models.nemotron_v3.norms import gated_group_rms_norm, rms_norm
 
+from .packed import _packable
+
 log = logging.getLogger(__name__)
 
 
@@ -72,14 +74,15 @@ def _plain_weight(t: torch.Tensor | None) -> bool:
 
 
 def _plain_linear(m: nn.Module) -> bool:
-    return (type(m) is nn.Linear and _plain_weight(m.weight) and _plain_weight(m.bias)
-            and m.weight.dtype in (torch.float32, torch.bfloat16))
+    """A plain `nn.Linear` (no adapter, no subclass) of the kind packed.py reorders: a CPU weight in
+    fp32 or bf16 that is an ordinary tensor."""
+    return type(m) is nn.Linear and _packable(m) and _plain_weight(m.bias)
 
 
 def _linears(block: nn.Module) -> tuple[nn.Linear, ...] | None:
     """The projections a compiled step of `block` reads, or None where its step stays eager."""
     mixer = block.mixer
-    if block.block_type == "mamba" and getattr(mixer, "context_parallel", None) is None:
+    if block.block_type == "mamba" and mixer.context_parallel is None:
         linears = (mixer.in_proj, mixer.out_proj)
         others = (mixer.conv1d.weight, mixer.conv1d.bias, mixer.A_log, mixer.D, mixer.dt_bias, mixer.norm.weight)
     elif block.block_type == "mlp":
@@ -96,6 +99,26 @@ def _weights(*tensors: torch.Tensor | None) -> tuple:
     return tuple(None if t is None else t.detach() for t in tensors)
 
 
+def _block_step(block: Block):
+    """The compiled step of `block` as step(x, cache, layer), its weights and sizes read once."""
+    m = block.mixer
+    if block.block_type == "mlp":
+        weights = _weights(block.norm.weight, m.up_proj.weight, m.up_proj.bias, m.down_proj.weight,
+                           m.down_proj.bias)
+        return lambda x, cache, layer: _compiled(_mlp_block_step)(x, weights, block.norm.eps)
+    weights = _weights(block.norm.weight, m.in_proj.weight, m.in_proj.bias, m.norm.weight, m.out_proj.weight,
+                       m.out_proj.bias)
+    sizes = (block.norm.eps, m.heads_per_group, m.head_dim, m.state_size, m.norm.group_size, m.norm.eps,
+             tuple(m.dt_limit))
+
+    def step(x, cache, layer):
+        state = cache.layers[layer]
+        return _compiled(_mamba_block_step)(x, state.conv, state.ssm, weights,
+                                            m.step_constants(cache, layer, x.dtype), sizes)
+
+    return step
+
+
 class _Steps:
     """The compiled steps of one `generate` call; `failed` once compiling has failed (all run eagerly)."""
 
@@ -103,13 +126,13 @@ class _Steps:
         self.failed = False
 
     def forward(self, block: Block):
-        eager = block.forward
+        eager, step = block.forward, _block_step(block)
 
         def forward(x, document_ids=None, token_mask=None, cache=None, layer=-1):
             if self.failed or cache is None or not cache.prefilled or x.shape[0] != 1:
                 return eager(x, document_ids, token_mask, cache, layer)
             try:
-                return self._step(block, x, cache, layer)
+                return step(x, cache, layer)
             except Exception as e:  # noqa: BLE001 - any compiler failure means: decode eagerly
                 self.failed = True
                 log.warning("generation compile: torch.compile failed (%s: %s); decoding eagerly",
@@ -117,21 +140,6 @@ class _Steps:
                 return eager(x, document_ids, token_mask, cache, layer)
 
         return forward
-
-    @staticmethod
-    def _step(block: Block, x: torch.Tensor, cache, layer: int) -> torch.Tensor:
-        m = block.mixer
-        if block.block_type == "mlp":
-            weights = _weights(block.norm.weight, m.up_proj.weight, m.up_proj.bias, m.down_proj.weight,
-                               m.down_proj.bias)
-            return _compiled(_mlp_block_step)(x, weights, block.norm.eps)
-        state = cache.layers[layer]
-        weights = _weights(block.norm.weight, m.in_proj.weight, m.in_proj.bias, m.norm.weight, m.out_proj.weight,
-                           m.out_proj.bias)
-        sizes = (block.norm.eps, m.heads_per_group, m.head_dim, m.state_size, m.norm.group_size, m.norm.eps,
-                 tuple(m.dt_limit))
-        return _compiled(_mamba_block_step)(x, state.conv, state.ssm, weights,
-                                            m.step_constants(cache, layer, x.dtype), sizes)
 
 
 @contextlib.contextmanager
