@@ -122,6 +122,42 @@ def test_conv_node_matches_conv1d(docs):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("docs,bias", [(False, True), (True, False)])
+def test_conv_under_compile_matches_conv1d(docs, bias):
+    """Under torch.compile the conv takes its compiler-friendly form (`TracedCausalConv1dSiLU` on
+    `conv_taps`); it computes the same function and gradients, documents kept apart."""
+    from nemotron_recipe.models.nemotron_v3 import kernels
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 23, 6, dtype=torch.float64, generator=g).requires_grad_()
+    weight = torch.randn(6, 1, 4, dtype=torch.float64, generator=g).requires_grad_()
+    b = torch.randn(6, dtype=torch.float64, generator=g).requires_grad_() if bias else None
+    doc = torch.tensor([[0] * 9 + [1] * 2 + [2] * 12, [5] * 23]) if docs else None
+    ref = _conv_per_document(x, weight, b, doc if docs else torch.zeros(2, 23, dtype=torch.long))
+    grad_y = torch.randn(ref.shape, dtype=ref.dtype, generator=g)
+    inputs = [t for t in (x, weight, b) if t is not None]
+    ref_grads = torch.autograd.grad(ref, inputs, grad_y)
+
+    ops = []
+
+    def record(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch.compile(causal_conv1d_silu, backend=record, fullgraph=True)(x, weight, b, doc)
+    assert any("conv_taps" in op for op in ops), ops
+    taps = kernels.conv_taps(weight.reshape(6, 4), torch.float64)
+    outputs = {
+        "traced, eager": kernels.TracedCausalConv1dSiLU.apply(x, taps, b, doc),
+        "compiled": torch.compile(causal_conv1d_silu, fullgraph=True)(x, weight, b, doc),
+    }
+    for name, out in outputs.items():
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12, msg=name)
+        for got, want in zip(torch.autograd.grad(out, inputs, grad_y), ref_grads):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=name)
+    torch._dynamo.reset()
+
+
 def test_conv_node_bf16_accumulates_in_fp32():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 40, 8, generator=g).to(torch.bfloat16)
