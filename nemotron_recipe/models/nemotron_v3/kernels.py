@@ -353,8 +353,10 @@ def _scan_block_backward(gy, A, D, saved, grad_state_out):
 
     # Within chunks: Y = M @ X with M = L * C.B.
     M = (L.view(b, g, r, c, q, q) * CB[:, :, None]).view(b, h, c, q, q)
-    gX += _mm(M.transpose(-1, -2), gYm, md, ct)
-    gM = _mm(gYm, X.transpose(-1, -2), md, ct)  # [b,h,c,q,q]
+    # Cast, then transpose: the same strides eagerly, but compiled code would otherwise write the
+    # cast copy transposed, element by element.
+    gX += _mm(M.to(md).transpose(-1, -2), gYm, md, ct)
+    gM = _mm(gYm, X.to(md).transpose(-1, -2), md, ct)  # [b,h,c,q,q]
     gCB = (gM * L).view(b, g, r, c, q, q).sum(2).to(md)
     gM.mul_(M)  # gradient of the exponent s_i - s_j of L
     gs += gM.sum(-1)
