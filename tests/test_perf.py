@@ -146,6 +146,7 @@ def test_conv_under_compile_matches_conv1d(docs, bias):
 
     torch.compile(causal_conv1d_silu, backend=record, fullgraph=True)(x, weight, b, doc)
     assert any("conv_taps" in op for op in ops), ops
+    torch._dynamo.reset()  # so that the compile below runs inductor, not the recorded graph
     taps = kernels.conv_taps(weight.reshape(6, 4), torch.float64)
     outputs = {
         "traced, eager": kernels.TracedCausalConv1dSiLU.apply(x, taps, b, doc),
