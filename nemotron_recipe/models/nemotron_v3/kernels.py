@@ -242,7 +242,15 @@ def _mm(a: torch.Tensor, b: torch.Tensor, md: torch.dtype, ct: torch.dtype) -> t
     accumulates in fp32, as the GPU kernels do), which on CPUs with bf16 matmul runs these small
     batched products several times faster; the decays, the state recurrence and every sum stay in
     fp32. Operands already in `md` are not copied."""
-    return (a.to(md) @ b.to(md)).to(ct)
+    return (_operand(a, md) @ _operand(b, md)).to(ct)
+
+
+def _operand(t: torch.Tensor, md: torch.dtype) -> torch.Tensor:
+    """t in `md`, a transposed view cast as its transpose: the same strides eagerly, but compiled
+    code would otherwise write the cast copy transposed, element by element."""
+    if t.dtype == md or t.stride(-1) == 1:
+        return t.to(md)
+    return t.mT.to(md).mT
 
 
 def _group_major(t: torch.Tensor, g: int, md: torch.dtype) -> torch.Tensor:
@@ -353,10 +361,8 @@ def _scan_block_backward(gy, A, D, saved, grad_state_out):
 
     # Within chunks: Y = M @ X with M = L * C.B.
     M = (L.view(b, g, r, c, q, q) * CB[:, :, None]).view(b, h, c, q, q)
-    # Cast, then transpose: the same strides eagerly, but compiled code would otherwise write the
-    # cast copy transposed, element by element.
-    gX += _mm(M.to(md).transpose(-1, -2), gYm, md, ct)
-    gM = _mm(gYm, X.to(md).transpose(-1, -2), md, ct)  # [b,h,c,q,q]
+    gX += _mm(M.transpose(-1, -2), gYm, md, ct)
+    gM = _mm(gYm, X.transpose(-1, -2), md, ct)  # [b,h,c,q,q]
     gCB = (gM * L).view(b, g, r, c, q, q).sum(2).to(md)
     gM.mul_(M)  # gradient of the exponent s_i - s_j of L
     gs += gM.sum(-1)
