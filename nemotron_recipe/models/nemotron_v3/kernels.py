@@ -28,6 +28,11 @@ from torch.distributed.tensor import DTensor
 logger = logging.getLogger(__name__)
 
 
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the PyTorch conv and scan accumulate in for inputs of `dtype`: fp64 for fp64, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 # ---------------------------------------------------------------------------------------- conv
 def _shift_masks(document_ids: torch.Tensor | None, kernel: int) -> list[torch.Tensor | None]:
     """For each shift s >= 1: where position t and t - s lie in the same document ([b, l - s, 1])."""
@@ -46,7 +51,7 @@ class CausalConv1dSiLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, document_ids):
         k = weight.shape[-1]
-        ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+        ct = _compute_dtype(x.dtype)
         w = weight.to(ct)
         masks = _shift_masks(document_ids, k)
         xc = x.to(ct)  # once: each shifted tap would otherwise cast its own copy of x
@@ -209,8 +214,7 @@ def causal_conv1d_silu(
         seq_idx = None if document_ids is None else document_ids.to(torch.int32).contiguous()
         return _cuda_conv()(x_t, weight, bias, seq_idx=seq_idx, activation="silu").transpose(1, 2)
     if torch.compiler.is_compiling():
-        ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-        return TracedCausalConv1dSiLU.apply(x, conv_taps(weight, ct), bias, document_ids)
+        return TracedCausalConv1dSiLU.apply(x, conv_taps(weight, _compute_dtype(x.dtype)), bias, document_ids)
     return CausalConv1dSiLU.apply(x, weight, bias, document_ids)
 
 
@@ -422,7 +426,7 @@ def _scan_forward_with_state(x, dt, A, B, C, D, chunk_size, document_ids, out_dt
     b, l, h, p = x.shape
     n = B.shape[3]
     q = chunk_size
-    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    ct = _compute_dtype(x.dtype)
     md = torch.bfloat16 if x.dtype == torch.bfloat16 else ct
     x, dt, B, C, document_ids = _pad_to_chunks(x, dt, B, C, document_ids, q)
     y = torch.empty(b, l, h, p, dtype=out_dtype or ct, device=x.device)
@@ -623,7 +627,7 @@ def _conv_step_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     inputs) in the PyTorch step, as the whole-sequence conv accumulates."""
     if device.type in _KERNEL_DEVICES and _cuda_conv_update() is not None:
         return dtype
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    return _compute_dtype(dtype)
 
 
 def conv_step_weights(weight: torch.Tensor, bias: torch.Tensor | None,
