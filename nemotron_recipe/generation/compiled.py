@@ -32,7 +32,7 @@ from torch import nn
 from nemotron_recipe.models.nemotron_v3.model import Block, mamba_step
 from nemotron_recipe.models.nemotron_v3.norms import gated_group_rms_norm, rms_norm
 
-from .packed import _packable
+from .packed import packable
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def _plain_weight(t: torch.Tensor | None) -> bool:
 def _plain_linear(m: nn.Module) -> bool:
     """A plain `nn.Linear` (no adapter, no subclass) of the kind packed.py reorders: a CPU weight in
     fp32 or bf16 that is an ordinary tensor."""
-    return type(m) is nn.Linear and _packable(m) and _plain_weight(m.bias)
+    return type(m) is nn.Linear and packable(m) and _plain_weight(m.bias)
 
 
 def _linears(block: nn.Module) -> tuple[nn.Linear, ...] | None:

@@ -54,7 +54,9 @@ def copy_fits(nbytes: int) -> bool:
 _FORWARDS = (nn.Linear.forward, LMHead.forward, LoRALinear.forward, LoRALMHead.forward)
 
 
-def _packable(module: nn.Module) -> bool:
+def packable(module: nn.Module) -> bool:
+    """Whether `module` is a linear layer whose weight this module reorders: an ordinary (not
+    subclassed) CPU tensor in fp32 or bf16, under a forward it knows."""
     weight = getattr(module, "weight", None)
     return (isinstance(module, nn.Linear) and type(module).forward in _FORWARDS
             and isinstance(weight, torch.Tensor) and type(weight.data) is torch.Tensor
@@ -85,7 +87,7 @@ def packed_linears(model: nn.Module, batch: int, enabled: bool | None = None,
     head = getattr(model, "lm_head", None)
     weight = getattr(head, "weight", None)
     skipped = {id(m) for m in skip}
-    taken = [m for m in model.modules() if _packable(m) and id(m) not in skipped] \
+    taken = [m for m in model.modules() if packable(m) and id(m) not in skipped] \
         if enabled is not False and packing_available() else []
     if enabled is None and not (weight is not None and packing_pays(weight.device, weight.dtype)
                                 and copy_fits(sum(m.weight.nbytes for m in taken))):
