@@ -45,6 +45,37 @@ def test_fused_norms_match_the_plain_modules(kind, dtype):
         assert _rel(a, b) <= (1e-6 if dtype == torch.float32 else 0), i
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["rms", "gated"])
+def test_fused_norms_by_row_blocks_match_one_pass(kind, dtype, monkeypatch):
+    """On CPU the fused norms run block by block of rows (here 3 rows a block, the last one short).
+    Every row is computed as in one pass: outputs and input gradients bit for bit. The weight
+    gradient adds the blocks' fp32 partial sums: fp32 summation order apart (fp32), or one bf16
+    rounding of that sum apart (bf16). Both stay within the plain module's tolerances above."""
+    from nemotron_recipe.models.nemotron_v3 import norms
+
+    width = 32
+    g = torch.Generator().manual_seed(2)
+    module = (RMSNorm(width, 1e-5) if kind == "rms" else GatedGroupRMSNorm(width, 8, 1e-5)).to(dtype)
+    module.weight.data = torch.randn(width, generator=g).to(dtype)
+    inputs = [torch.randn(2, 5, width, generator=g).to(dtype).requires_grad_() for _ in range(1 if kind == "rms" else 2)]
+    grad = torch.randn(2, 5, width, generator=g).to(dtype)
+    one_pass, one_pass_grads = _norm_outputs(module, inputs, grad, fused=True)
+    ref, ref_grads = _norm_outputs(module, inputs, grad, fused=False)
+    monkeypatch.setattr(norms, "ROW_BLOCK_ELEMENTS", 3 * width)
+    assert len(norms._row_blocks(10, width, torch.device("cpu"))) == 4
+    out, grads = _norm_outputs(module, inputs, grad, fused=True)
+    assert torch.equal(out, one_pass)
+    for a, b in zip(grads[:-1], one_pass_grads[:-1]):
+        assert torch.equal(a, b)
+    assert grads[-1].dtype == one_pass_grads[-1].dtype
+    assert _rel(grads[-1], one_pass_grads[-1]) <= (1e-6 if dtype == torch.float32 else 2 ** -8)
+    for a, b in zip(grads, ref_grads):
+        assert _rel(a, b) <= (1e-6 if dtype == torch.float32 else 2 ** -8)
+    with torch.no_grad():  # generation and evaluation take the blocked forward too
+        assert torch.equal(module(*inputs), one_pass)
+
+
 def test_scan_output_and_gradients_in_their_dtypes():
     """`out_dtype` rounds the fp32 result once; gradients come back in the inputs' dtypes, equal to
     the fp32 path's rounded once, and the fp32 result still matches the recurrence."""
