@@ -8,7 +8,7 @@ Here forward saves its inputs (in the model's dtype) and the per-row reciprocal 
 recomputes the rest in fp32. DTensor inputs (tensor or sequence parallel) take the plain path,
 whose ops DTensor shards.
 
-On CPU both directions run block by block of rows (`_row_blocks`), so that each op's fp32
+On CPU both directions run block by block of rows (`ROW_BLOCK_ELEMENTS`), so that each op's fp32
 temporaries stay in the caches; every row is computed exactly as in one pass.
 """
 
@@ -32,11 +32,18 @@ def _fp32(x: torch.Tensor) -> torch.Tensor:
 ROW_BLOCK_ELEMENTS = 1 << 18
 
 
-def _row_blocks(rows: int, width: int, device: torch.device) -> list[slice]:
-    if device.type != "cpu" or torch.compiler.is_compiling():
-        return [slice(0, rows)]
-    block = max(1, ROW_BLOCK_ELEMENTS // max(width, 1))
-    return [slice(start, start + block) for start in range(0, max(rows, 1), block)]
+def _block_rows(t: torch.Tensor) -> int | None:
+    """Rows per block of a norm of t [..., width]; None: all at once (GPUs, compiled code). Forward
+    decides and backward follows, as a compiled backward is traced where `is_compiling()` is False."""
+    if t.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    return max(1, ROW_BLOCK_ELEMENTS // max(t.shape[-1], 1))
+
+
+def _row_blocks(rows: int, block_rows: int | None) -> list[slice]:
+    if block_rows is None or rows <= block_rows:
+        return [slice(None)]
+    return [slice(start, start + block_rows) for start in range(0, rows, block_rows)]
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -66,11 +73,11 @@ def _gated_rows(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_si
     return weight * (h * rstd).flatten(-2).to(y.dtype), rstd
 
 
-def _blockwise(norm, inputs: list[torch.Tensor], *args) -> tuple[torch.Tensor, torch.Tensor]:
-    """`norm` (one of the two above) of `inputs` (one shape, [..., width]), block by block of rows:
+def _blockwise(norm, inputs: list[torch.Tensor], block_rows: int | None, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm` (one of the two above) of `inputs` (one shape, [..., width]) by blocks of rows:
     (out in the inputs' shape, rstd [rows, ...] in fp32 as backward reads it)."""
     rows = [_rows(t) for t in inputs]
-    blocks = _row_blocks(*rows[0].shape, rows[0].device)
+    blocks = _row_blocks(rows[0].shape[0], block_rows)
     if len(blocks) == 1:
         out, rstd = norm(*inputs, *args)
         return out, rstd.reshape(rows[0].shape[0], *rstd.shape[inputs[0].dim() - 1:])
@@ -85,12 +92,12 @@ def _blockwise(norm, inputs: list[torch.Tensor], *args) -> tuple[torch.Tensor, t
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _blockwise(_rms_norm_rows, [x], weight, eps)
+    return _blockwise(_rms_norm_rows, [x], _block_rows(x), weight, eps)
 
 
 def _gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _blockwise(_gated_rows, [y, z], weight, group_size, eps)
+    return _blockwise(_gated_rows, [y, z], _block_rows(y), weight, group_size, eps)
 
 
 class RMSNormFn(torch.autograd.Function):
@@ -98,7 +105,8 @@ class RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        out, rstd = _rms_norm(x, weight, eps)
+        ctx.block_rows = _block_rows(x)
+        out, rstd = _blockwise(_rms_norm_rows, [x], ctx.block_rows, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return out
 
@@ -109,7 +117,7 @@ class RMSNormFn(torch.autograd.Function):
         w = _fp32(weight)
         grad_x = torch.empty(xs.shape, dtype=x.dtype, device=x.device) if ctx.needs_input_grad[0] else None
         grad_w = None
-        for block in _row_blocks(xs.shape[0], xs.shape[1], xs.device):
+        for block in _row_blocks(xs.shape[0], ctx.block_rows):
             hn = _fp32(xs[block]) * rstd[block]
             g = _fp32(gs[block])
             if ctx.needs_input_grad[1]:
@@ -127,7 +135,8 @@ class GatedGroupRMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, z, weight, group_size, eps):
-        out, rstd = _gated_group_rms_norm(y, z, weight, group_size, eps)
+        ctx.block_rows = _block_rows(y)
+        out, rstd = _blockwise(_gated_rows, [y, z], ctx.block_rows, weight, group_size, eps)
         ctx.save_for_backward(y, z, weight, rstd)
         ctx.group_size = group_size
         return out
@@ -140,7 +149,7 @@ class GatedGroupRMSNormFn(torch.autograd.Function):
         grad_y = torch.empty(ys.shape, dtype=y.dtype, device=y.device) if need_y else None
         grad_z = torch.empty(zs.shape, dtype=z.dtype, device=z.device) if need_z else None
         grad_w = None
-        for block in _row_blocks(ys.shape[0], ys.shape[1], ys.device):
+        for block in _row_blocks(ys.shape[0], ctx.block_rows):
             zf, yf = _fp32(zs[block]), _fp32(ys[block])
             gate = F.silu(zf)
             hn = (yf * gate).unflatten(-1, (-1, ctx.group_size)).mul_(rstd[block])
