@@ -62,7 +62,8 @@ def test_fused_norms_by_row_blocks_match_one_pass(kind, dtype, monkeypatch):
     grad = torch.randn(2, 5, width, generator=g).to(dtype)
     one_pass, one_pass_grads = _norm_outputs(module, inputs, grad, fused=True)
     ref, ref_grads = _norm_outputs(module, inputs, grad, fused=False)
-    monkeypatch.setattr(norms, "ROW_BLOCK_ELEMENTS", 3 * width)
+    monkeypatch.setattr(norms, "ROW_BLOCK_ELEMENTS_PER_THREAD", 3 * width)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert len(norms._row_blocks(10, norms._block_rows(inputs[0]))) == 4
     out, grads = _norm_outputs(module, inputs, grad, fused=True)
     assert torch.equal(out, one_pass)

@@ -8,7 +8,7 @@ Here forward saves its inputs (in the model's dtype) and the per-row reciprocal 
 recomputes the rest in fp32. DTensor inputs (tensor or sequence parallel) take the plain path,
 whose ops DTensor shards.
 
-On CPU both directions run block by block of rows (`ROW_BLOCK_ELEMENTS`), so that each op's fp32
+On CPU both directions run block by block of rows (`ROW_BLOCK_ELEMENTS_PER_THREAD`), so that each op's fp32
 temporaries stay in the caches; every row is computed exactly as in one pass.
 """
 
@@ -23,13 +23,15 @@ def _fp32(x: torch.Tensor) -> torch.Tensor:
     return x.float()  # as the plain modules compute, whatever the input dtype
 
 
-# Elements of one row block on CPU. Every op of a norm is one pass over [rows x width] fp32
-# temporaries; over a whole sequence they outgrow the caches, each pass goes to memory, and the
-# time grew faster than the tokens. Blocks of 1 MiB of fp32 stay in the caches. fwd + bwd, bf16,
-# 2 threads: h1024's gated norm (width 2048) 24.6 -> 16 ms at 2048 tokens and 109 -> 60 ms at
-# 8192; its RMSNorm (width 1024) 7.2 -> 4 ms and 34 -> 14 ms. GPUs (one kernel per op over all
-# rows) and compiled code (the ops fused into one pass) take the rows whole.
-ROW_BLOCK_ELEMENTS = 1 << 18
+# Elements of one row block on CPU, per thread. Every op of a norm is one pass over [rows x width]
+# fp32 temporaries; over a whole sequence they outgrow the caches, each pass goes to memory, and the
+# time grew faster than the tokens. Per thread, 2^17 elements (512 KiB of fp32) stay in its core's
+# caches and leave each op enough work per thread to pay for its parallel region; 2^15-2^16 or
+# 2^19-2^21 per thread were slower on 1 and on 2 threads. fwd + bwd, bf16, 2 threads: h1024's gated norm
+# (width 2048) 24.6 -> 16 ms at 2048 tokens and 109 -> 60 ms at 8192; a width-8192 gated norm at
+# 4096 tokens 277 -> 121 ms. GPUs (one kernel per op over all rows) and compiled code (the ops fused
+# into one pass) take the rows whole.
+ROW_BLOCK_ELEMENTS_PER_THREAD = 1 << 17
 
 
 def _block_rows(t: torch.Tensor) -> int | None:
@@ -37,7 +39,7 @@ def _block_rows(t: torch.Tensor) -> int | None:
     decides and backward follows, as a compiled backward is traced where `is_compiling()` is False."""
     if t.device.type != "cpu" or torch.compiler.is_compiling():
         return None
-    return max(1, ROW_BLOCK_ELEMENTS // max(t.shape[-1], 1))
+    return max(1, ROW_BLOCK_ELEMENTS_PER_THREAD * torch.get_num_threads() // max(t.shape[-1], 1))
 
 
 def _row_blocks(rows: int, block_rows: int | None) -> list[slice]:
