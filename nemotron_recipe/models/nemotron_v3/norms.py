@@ -8,8 +8,8 @@ Here forward saves its inputs (in the model's dtype) and the per-row reciprocal 
 recomputes the rest in fp32. DTensor inputs (tensor or sequence parallel) take the plain path,
 whose ops DTensor shards.
 
-On CPU both directions run block by block of rows (`ROW_BLOCK_ELEMENTS_PER_THREAD`), so that each op's fp32
-temporaries stay in the caches; every row is computed exactly as in one pass.
+On CPU both directions run block by block of rows (`ROW_BLOCK_ELEMENTS_PER_THREAD`), so that each
+op's fp32 temporaries stay in the caches; every row is computed exactly as in one pass.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ def _fp32(x: torch.Tensor) -> torch.Tensor:
 # fp32 temporaries; over a whole sequence they outgrow the caches, each pass goes to memory, and the
 # time grew faster than the tokens. Per thread, 2^17 elements (512 KiB of fp32) stay in its core's
 # caches and leave each op enough work per thread to pay for its parallel region; 2^15-2^16 or
-# 2^19-2^21 per thread were slower on 1 and on 2 threads. fwd + bwd, bf16, 2 threads: h1024's gated norm
-# (width 2048) 24.6 -> 16 ms at 2048 tokens and 109 -> 60 ms at 8192; a width-8192 gated norm at
-# 4096 tokens 277 -> 121 ms. GPUs (one kernel per op over all rows) and compiled code (the ops fused
+# 2^19-2^21 per thread were slower on 1 and on 2 threads. fwd + bwd, bf16, 2 threads: h1024's
+# gated norm (width 2048) 24.6 -> 16 ms at 2048 tokens and 109 -> 60 ms at 8192; a width-8192 gated
+# norm at 4096 tokens 277 -> 121 ms. GPUs (one kernel per op over all rows) and compiled code (the ops fused
 # into one pass) take the rows whole.
 ROW_BLOCK_ELEMENTS_PER_THREAD = 1 << 17
 
@@ -81,8 +81,8 @@ def _blockwise(norm, inputs: list[torch.Tensor], block_rows: int | None, *args) 
     rows = [_rows(t) for t in inputs]
     blocks = _row_blocks(rows[0].shape[0], block_rows)
     if len(blocks) == 1:
-        out, rstd = norm(*inputs, *args)
-        return out, rstd.reshape(rows[0].shape[0], *rstd.shape[inputs[0].dim() - 1:])
+        out, rstd = norm(*rows, *args)
+        return out.view(inputs[0].shape), rstd
     out, rstd = None, []
     for block in blocks:
         out_block, rstd_block = norm(*(t[block] for t in rows), *args)
