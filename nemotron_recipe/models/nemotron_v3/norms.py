@@ -93,15 +93,6 @@ def _blockwise(norm, inputs: list[torch.Tensor], block_rows: int | None, *args) 
     return out.view(inputs[0].shape), torch.cat(rstd)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _blockwise(_rms_norm_rows, [x], _block_rows(x), weight, eps)
-
-
-def _gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
-                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _blockwise(_gated_rows, [y, z], _block_rows(y), weight, group_size, eps)
-
-
 class RMSNormFn(torch.autograd.Function):
     """(weight * (x * rsqrt(mean(x^2) + eps))) in fp32, cast to x's dtype."""
 
@@ -182,7 +173,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     """`RMSNormFn`, or None for DTensor inputs (the caller then runs the plain composition)."""
     if not _plain(x, weight):
         return None
-    return RMSNormFn.apply(x, weight, eps) if _records_graph(x, weight) else _rms_norm(x, weight, eps)[0]
+    if _records_graph(x, weight):
+        return RMSNormFn.apply(x, weight, eps)
+    return _blockwise(_rms_norm_rows, [x], _block_rows(x), weight, eps)[0]
 
 
 def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int,
@@ -192,4 +185,4 @@ def gated_group_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
         return None
     if _records_graph(y, z, weight):
         return GatedGroupRMSNormFn.apply(y, z, weight, group_size, eps)
-    return _gated_group_rms_norm(y, z, weight, group_size, eps)[0]
+    return _blockwise(_gated_rows, [y, z], _block_rows(y), weight, group_size, eps)[0]
