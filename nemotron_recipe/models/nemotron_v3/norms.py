@@ -52,6 +52,11 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _weight_grad_sum(weight: torch.Tensor) -> torch.Tensor:
+    """A zeroed fp32 accumulator for the weight gradient, which adds the row blocks' partial sums."""
+    return torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+
+
 def _rstd(h: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
 
@@ -109,13 +114,12 @@ class RMSNormFn(torch.autograd.Function):
         xs, gs = _rows(x), _rows(grad)
         w = _fp32(weight)
         grad_x = torch.empty(xs.shape, dtype=x.dtype, device=x.device) if ctx.needs_input_grad[0] else None
-        grad_w = None
+        grad_w = _weight_grad_sum(weight) if ctx.needs_input_grad[1] else None
         for block in _row_blocks(xs.shape[0], ctx.block_rows):
             hn = _fp32(xs[block]) * rstd[block]
             g = _fp32(gs[block])
-            if ctx.needs_input_grad[1]:
-                part = (g * hn).sum(0)
-                grad_w = part if grad_w is None else grad_w.add_(part)
+            if grad_w is not None:
+                grad_w += (g * hn).sum(0)
             if grad_x is not None:
                 grad_x[block] = _norm_backward(g * w, hn, rstd[block])
         grad_w = None if grad_w is None else grad_w.to(weight.dtype)
@@ -141,14 +145,13 @@ class GatedGroupRMSNormFn(torch.autograd.Function):
         need_y, need_z, need_w = ctx.needs_input_grad[:3]
         grad_y = torch.empty(ys.shape, dtype=y.dtype, device=y.device) if need_y else None
         grad_z = torch.empty(zs.shape, dtype=z.dtype, device=z.device) if need_z else None
-        grad_w = None
+        grad_w = _weight_grad_sum(weight) if need_w else None
         for block in _row_blocks(ys.shape[0], ctx.block_rows):
             zf, yf = _fp32(zs[block]), _fp32(ys[block])
             gate = F.silu(zf)
             hn = (yf * gate).unflatten(-1, (-1, ctx.group_size)).mul_(rstd[block])
             if need_w:  # the products in y's dtype, as the plain path's; summed in fp32, rounded once
-                part = (gs[block] * hn.flatten(-2).to(y.dtype)).sum(0, dtype=torch.float32)
-                grad_w = part if grad_w is None else grad_w.add_(part)
+                grad_w += (gs[block] * hn.flatten(-2).to(y.dtype)).sum(0, dtype=torch.float32)
             gh = _norm_backward(_fp32(gs[block] * weight).unflatten(-1, (-1, ctx.group_size)), hn,
                                 rstd[block]).flatten(-2)
             if need_y:
